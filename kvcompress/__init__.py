@@ -1,0 +1,67 @@
+"""kvcompress: composable KV-cache compression for mlx-lm.
+
+Three lines from a loaded model to a compressed generation::
+
+    import kvcompress, mlx_lm
+    model, tokenizer = mlx_lm.load("path/or/hf-id")
+    cache = kvcompress.make_prompt_cache(model, method="cam", budget=512)
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
+"""
+
+from .attention import install, is_installed
+from .cache import CompressedKVCache
+from .components import (
+    Budget,
+    ComponentSpec,
+    Disposition,
+    Eviction,
+    MethodSpec,
+    ModelInfo,
+    Observation,
+    Scorer,
+    Selection,
+    Selector,
+)
+from .config import ComponentConfig, MethodConfig, load_config
+from .errors import CompositionError, ConfigError, KVCompressError, PluginError
+from .factory import KVCacheBuilder, KVCacheConfig, make_prompt_cache, model_info
+from .hookspecs import hookimpl
+from .method import Method, build_method
+from .persistence import load_prompt_cache, save_prompt_cache
+from .registry import Registry, get_registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "ComponentConfig",
+    "ComponentSpec",
+    "CompositionError",
+    "CompressedKVCache",
+    "ConfigError",
+    "Disposition",
+    "Eviction",
+    "KVCacheBuilder",
+    "KVCacheConfig",
+    "KVCompressError",
+    "Method",
+    "MethodConfig",
+    "MethodSpec",
+    "ModelInfo",
+    "Observation",
+    "PluginError",
+    "Registry",
+    "Scorer",
+    "Selection",
+    "Selector",
+    "build_method",
+    "get_registry",
+    "hookimpl",
+    "install",
+    "is_installed",
+    "load_config",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "model_info",
+    "save_prompt_cache",
+]

@@ -1,0 +1,65 @@
+"""Blockwise float32 attention weights from observed queries (private helper)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+_QUERY_BLOCK = 256
+
+
+def _block_mask(mask: Any, i0: int, i1: int, n: int, t: int, n_kv: int, group: int):
+    """The part of ``mask`` for query rows ``i0:i1`` as a bool/additive array or None."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}; expected None, 'causal' or an array")
+        q_pos = mx.arange(t - n + i0, t - n + i1)[:, None]
+        return q_pos >= mx.arange(t)[None]
+    m = mask[..., i0:i1, :]
+    if m.ndim == 4 and m.shape[1] not in (1,):
+        b = m.shape[0]
+        m = m.reshape(b, n_kv, group, i1 - i0, m.shape[-1])
+    elif m.ndim == 4:
+        m = mx.expand_dims(m, 2)
+    return m
+
+
+def attention_mass(
+    queries: mx.array,
+    keys: mx.array,
+    scale: float,
+    mask: Any = None,
+    last: Optional[int] = None,
+    block: int = _QUERY_BLOCK,
+) -> mx.array:
+    """Sum over queries of ``softmax(q k^T * scale)`` per key, mean over each GQA group.
+
+    queries ``[B, H_q, N, D]``, keys ``[B, H_kv, T, D]`` -> ``[B, H_kv, T]`` float32.
+    """
+    b, h_q, n, d = queries.shape
+    h_kv, t = keys.shape[1], keys.shape[2]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    group = h_q // h_kv
+    start = 0 if last is None else max(n - last, 0)
+    q = queries.astype(mx.float32).reshape(b, h_kv, group, n, d)
+    k = mx.expand_dims(keys.astype(mx.float32), 2)  # [B, H_kv, 1, T, D]
+    kt = k.swapaxes(-1, -2)
+    total = None
+    for i0 in range(start, n, block):
+        i1 = min(i0 + block, n)
+        logits = (q[:, :, :, i0:i1, :] * scale) @ kt  # [B, H_kv, G, nb, T]
+        m = _block_mask(mask, i0, i1, n, t, h_kv, group)
+        if m is not None:
+            if m.dtype == mx.bool_:
+                logits = mx.where(m, logits, -mx.inf)
+            else:
+                logits = logits + m.astype(mx.float32)
+        w = mx.softmax(logits, axis=-1).sum(axis=-2)  # [B, H_kv, G, T]
+        total = w if total is None else total + w
+    if total is None:
+        return mx.zeros((b, h_kv, t), dtype=mx.float32)
+    return total.mean(axis=2)

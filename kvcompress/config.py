@@ -1,0 +1,158 @@
+"""Validated method configuration: frozen attrs classes structured with cattrs.
+
+A method is named (``method = "cam"``) or composed from one component of each kind::
+
+    method = "cam"                  # or leave out and name all four components
+    [params]                        # routed to every component with a parameter of that name
+    budget = 64
+    [disposition]                   # override a component, or just its parameters
+    name = "gated_merge"
+    merge = "mean"
+
+Errors name the field, the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from .components import KINDS
+from .errors import ConfigError
+
+__all__ = ["ComponentConfig", "MethodConfig", "load_config", "structure_component"]
+
+
+def _component(value: Any) -> Optional["ComponentConfig"]:
+    if value is None or isinstance(value, ComponentConfig):
+        return value
+    if isinstance(value, str):
+        return ComponentConfig(name=value)
+    if isinstance(value, dict):
+        value = dict(value)
+        if "name" not in value:
+            raise ConfigError(f"a component table needs a 'name' key, got keys {sorted(value)}")
+        name = value.pop("name")
+        params = value.pop("params", {})
+        return ComponentConfig(name=name, params={**value, **params})
+    raise ConfigError(f"a component is a name or a table with 'name', got {value!r}")
+
+
+@attrs.frozen
+class ComponentConfig:
+    """A component by registered name, with parameter overrides."""
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    params: dict = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.frozen
+class MethodConfig:
+    """A named method and/or explicit components, plus flat parameters."""
+
+    method: Optional[str] = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
+    scorer: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
+    selector: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
+    disposition: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
+    budget: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
+    params: dict = attrs.field(factory=dict, converter=dict)
+
+    def component(self, kind: str) -> Optional[ComponentConfig]:
+        return getattr(self, kind)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MethodConfig":
+        """Build from a plain dict (as parsed from JSON or TOML); unknown keys are errors."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a method config is a table/object, got {type(data).__name__}")
+        allowed = {"method", *KINDS, "params"}
+        extra = sorted(set(data) - allowed)
+        if extra:
+            raise ConfigError(
+                f"unknown config key(s) {extra}; valid keys: {sorted(allowed)} "
+                "(put component parameters under [params] or a component table)"
+            )
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid method config: {exc}") from exc
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {}
+        if self.method:
+            out["method"] = self.method
+        for kind in KINDS:
+            c = self.component(kind)
+            if c is not None:
+                out[kind] = {"name": c.name, **c.params}
+        if self.params:
+            out["params"] = dict(self.params)
+        return out
+
+
+def load_config(source: Union[str, Path, dict]) -> MethodConfig:
+    """Read a :class:`MethodConfig` from a dict, a ``.toml`` file or a ``.json`` file."""
+    if isinstance(source, dict):
+        return MethodConfig.from_dict(source)
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {exc}") from exc
+    return MethodConfig.from_dict(data)
+
+
+# ------------------------------------------------------------------------------------------
+# Structuring component parameters
+# ------------------------------------------------------------------------------------------
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _messages(exc: BaseException, path: str) -> list[str]:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return [f"{path}: unknown parameter(s) {sorted(exc.extra_fields)}"]
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        out = []
+        for sub in exc.exceptions:
+            note = next((n for n in getattr(sub, "__notes__", []) if "@" in n or "Structuring" in n), "")
+            field = ""
+            if "attribute" in note:
+                field = note.split("attribute")[-1].strip().strip("'`")
+                field = field.split()[0].strip("'`") if field else ""
+            out += _messages(sub, f"{path}.{field}" if field else path)
+        return out
+    return [f"{path}: {exc}"]
+
+
+def structure_component(spec, params: dict, owner: str = "") -> Any:
+    """Instantiate ``spec.cls`` from ``params``; errors name the field and valid choices."""
+    label = owner or f"{spec.kind} {spec.name!r}"
+    valid = sorted(spec.params())
+    try:
+        return _converter.structure(dict(params), spec.cls)
+    except ForbiddenExtraKeysError as exc:
+        raise ConfigError(
+            f"{label}: unknown parameter(s) {sorted(exc.extra_fields)}; valid parameters: {valid}"
+        ) from None
+    except (ClassValidationError, IterableValidationError) as exc:
+        msgs = _messages(exc, label)
+        raise ConfigError("; ".join(msgs) + f" (valid parameters: {valid})") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{label}: {exc} (valid parameters: {valid})") from None

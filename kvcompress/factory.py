@@ -1,0 +1,121 @@
+"""Build per-layer compressed caches for an mlx-lm model."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from .attention import install
+from .cache import CompressedKVCache
+from .components import ModelInfo
+from .config import MethodConfig
+from .errors import ConfigError
+from .method import Method, build_method
+from .registry import Registry
+
+__all__ = ["make_prompt_cache", "model_info", "KVCacheConfig", "KVCacheBuilder"]
+
+
+def _attention_modules(model: nn.Module) -> list:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__} has no .layers; is it an mlx-lm model?")
+    return [getattr(layer, "self_attn", getattr(layer, "attention", None)) for layer in layers]
+
+
+def model_info(model: nn.Module, n_layers: Optional[int] = None) -> ModelInfo:
+    """The shape facts a budget may use, read from the model's attention modules."""
+    attn = next((a for a in _attention_modules(model) if a is not None), None)
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    return ModelInfo(
+        n_layers=n_layers if n_layers is not None else len(model.layers),
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        model_type=str(getattr(model, "model_type", "")),
+    )
+
+
+def make_prompt_cache(
+    model: nn.Module,
+    method: Union[str, MethodConfig, Method, dict, None] = "cam",
+    *,
+    registry: Optional[Registry] = None,
+    **params: Any,
+) -> list:
+    """A prompt cache for ``mlx_lm.generate(..., prompt_cache=...)`` with every full-attention
+    layer compressed by ``method``.
+
+    ``make_prompt_cache(model, method="cam", budget=64)`` or a composition:
+    ``make_prompt_cache(model, None, scorer="h2o", selector="lowest",
+    disposition="gated_merge", budget="uniform", budget_tokens=...)``. Layers whose default
+    cache is not a plain ``KVCache`` (sliding-window, SSM state) keep their default cache.
+    Installs the query-observing attention wrapper (:func:`kvcompress.install`).
+    """
+    m = method if isinstance(method, Method) else build_method(method, registry=registry, **params)
+    if isinstance(method, Method) and params:
+        raise ConfigError("pass parameters to build_method, not with an already built Method")
+    default = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    slots = [i for i, c in enumerate(default) if type(c) is KVCache]
+    if not slots:
+        raise ConfigError(f"{type(model).__name__} has no full-attention KVCache layers to compress")
+    info = model_info(model, n_layers=len(slots))
+    budgets = m.budget.layer_budgets(info)
+    if len(budgets) != len(slots):
+        raise ConfigError(
+            f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for "
+            f"{len(slots)} layers"
+        )
+    install(model)
+    caches = list(default)
+    for layer, (i, b) in enumerate(zip(slots, budgets)):
+        caches[i] = CompressedKVCache(m, int(b), layer=layer)
+    return caches
+
+
+class KVCacheConfig:
+    """The design note's configuration, unchanged in spirit.
+
+    ``KVCacheConfig(method="cam", head_dim=64, cam_budget=512, cam_n_sink=4,
+    cam_merge="sim_weighted", cam_merge_gate=True, cam_merge_keys=False, seed=0)``:
+    options are ``<method>_<parameter>``; ``seed`` goes to every seeded component.
+    """
+
+    def __init__(self, method: str = "cam", head_dim: Optional[int] = None, seed: int = 0, **options):
+        if not isinstance(method, str):
+            raise ConfigError(f"method must be a method name, got {method!r}")
+        prefix = f"{method}_"
+        bad = [k for k in options if not k.startswith(prefix)]
+        if bad:
+            raise ConfigError(
+                f"unknown KVCacheConfig option(s) {bad}; options for method {method!r} are "
+                f"'{prefix}<parameter>' (e.g. {prefix}budget), plus head_dim and seed"
+            )
+        self.method = method
+        self.head_dim = head_dim
+        self.seed = seed
+        self.params = {k[len(prefix):]: v for k, v in options.items()}
+        self.params["seed"] = seed
+        self.build()  # validate now, not at first use
+
+    def build(self, registry: Optional[Registry] = None) -> Method:
+        return build_method(self.method, registry=registry, **self.params)
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{self.method}_{k}={v!r}" for k, v in self.params.items() if k != "seed")
+        return f"KVCacheConfig(method={self.method!r}, head_dim={self.head_dim}, {opts}, seed={self.seed})"
+
+
+class KVCacheBuilder:
+    """``KVCacheBuilder.for_model(model, config)`` -> per-layer caches (design-note API)."""
+
+    @staticmethod
+    def for_model(model: nn.Module, config: KVCacheConfig, registry: Optional[Registry] = None) -> list:
+        info = model_info(model)
+        if config.head_dim is not None and info.head_dim is not None and config.head_dim != info.head_dim:
+            raise ConfigError(
+                f"KVCacheConfig.head_dim={config.head_dim} but the model's head_dim is {info.head_dim}"
+            )
+        return make_prompt_cache(model, config.build(registry), registry=registry)

@@ -1,0 +1,148 @@
+"""Resolve a :class:`~kvcompress.config.MethodConfig` into a validated composition."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import attrs
+
+from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, Scorer, Selector
+from .config import ComponentConfig, MethodConfig, structure_component
+from .errors import CompositionError, ConfigError
+from .registry import Registry, get_registry
+
+__all__ = ["Method", "build_method"]
+
+_PROTOCOLS = {"scorer": Scorer, "selector": Selector, "disposition": Disposition, "budget": Budget}
+
+
+@attrs.frozen
+class Method:
+    """One scorer, selector, disposition and budget, validated to work together."""
+
+    name: str
+    scorer: Any
+    selector: Any
+    disposition: Any
+    budget: Any
+    config: MethodConfig
+
+    def component(self, kind: str) -> Any:
+        return getattr(self, kind)
+
+    def describe(self) -> str:
+        parts = []
+        for kind in KINDS:
+            comp = self.component(kind)
+            c = self.config.component(kind)
+            parts.append(f"{kind}={c.name}({_fmt_params(comp)})")
+        return f"{self.name}: " + ", ".join(parts)
+
+
+def _fmt_params(comp) -> str:
+    return ", ".join(f"{f.name}={getattr(comp, f.name)!r}" for f in attrs.fields(type(comp)) if f.init)
+
+
+def build_method(
+    config: Union[str, MethodConfig, dict, None] = None,
+    registry: Optional[Registry] = None,
+    **params: Any,
+) -> Method:
+    """Build a method from a name, a dict, or a :class:`MethodConfig`, plus flat parameters.
+
+    ``build_method("cam", budget=64)`` and
+    ``build_method(scorer="h2o", selector="lowest", disposition="drop", budget="uniform")`` both
+    work. Flat parameters go to every component with a parameter of that name; a name no
+    component has is an error listing the valid ones.
+    """
+    reg = registry or get_registry()
+    kinds_given = {k: params.pop(k) for k in KINDS if k in params and not _is_budget_number(k, params[k])}
+    if isinstance(config, str) or config is None:
+        config = MethodConfig(method=config, **kinds_given)
+    elif isinstance(config, dict):
+        config = MethodConfig.from_dict(config)
+    elif kinds_given:
+        config = attrs.evolve(config, **kinds_given)
+    if not isinstance(config, MethodConfig):
+        raise ConfigError(f"expected a method name, dict or MethodConfig, got {type(config).__name__}")
+
+    flat: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    label = config.method or "custom"
+    if config.method is not None:
+        spec = reg.method(config.method)
+        names = {k: getattr(spec, k) for k in KINDS}
+        flat.update(spec.params)
+    for kind in KINDS:
+        c = config.component(kind)
+        if c is not None:
+            names[kind] = c.name
+    missing = [k for k in KINDS if k not in names]
+    if missing:
+        choices = "; ".join(
+            f"{k}s: {', '.join(sorted(reg.components[k])) or '(none)'}" for k in missing
+        )
+        raise ConfigError(
+            f"a composed method needs one component of each kind; missing {missing}. "
+            f"Name a method ({', '.join(sorted(reg.methods)) or 'none registered'}) or choose {choices}"
+        )
+    specs = {k: reg.component(k, names[k]) for k in KINDS}
+    flat.update(config.params)
+    flat.update(params)
+
+    per_kind: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+    for key, value in flat.items():
+        owners = [k for k in KINDS if key in specs[k].params()]
+        if not owners and key == "seed":
+            continue  # a seed is offered to seeded components; deterministic ones ignore it
+        if not owners:
+            valid = sorted({p for k in KINDS for p in specs[k].params()})
+            raise ConfigError(
+                f"unknown parameter {key!r} for method {label!r}; valid parameters: {valid}"
+            )
+        for k in owners:
+            per_kind[k][key] = value
+    for kind in KINDS:
+        c = config.component(kind)
+        if c is not None:
+            per_kind[kind].update(c.params)
+
+    comps = {}
+    for kind in KINDS:
+        comp = structure_component(specs[kind], per_kind[kind])
+        if not isinstance(comp, _PROTOCOLS[kind]):
+            raise CompositionError(
+                f"{kind} {names[kind]!r} ({type(comp).__name__}) does not implement the {kind} protocol"
+            )
+        comps[kind] = comp
+
+    _check_requirements(comps, names)
+    resolved = MethodConfig(
+        method=config.method,
+        params={},
+        **{k: ComponentConfig(names[k], _init_params(comps[k])) for k in KINDS},
+    )
+    return Method(name=label, config=resolved, **comps)
+
+
+def _is_budget_number(kind: str, value: Any) -> bool:
+    # ``budget=64`` is the uniform budget's size, ``budget="pyramid"`` names a component.
+    return kind == "budget" and not isinstance(value, (str, dict, ComponentConfig))
+
+
+def _init_params(comp) -> dict:
+    return {f.name: getattr(comp, f.name) for f in attrs.fields(type(comp)) if f.init}
+
+
+def _check_requirements(comps: dict, names: dict) -> None:
+    provided = set(CACHE_PROVIDES)
+    for comp in comps.values():
+        provided |= set(getattr(comp, "provides", ()))
+    for kind, comp in comps.items():
+        need = set(getattr(comp, "requires", ())) - provided
+        if need:
+            offer = ", ".join(f"{k}={names[k]}" for k in KINDS)
+            raise CompositionError(
+                f"{kind} {names[kind]!r} requires {sorted(need)}, which no component of this "
+                f"composition ({offer}) provides"
+            )

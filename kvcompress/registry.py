@@ -1,0 +1,237 @@
+"""Plugin discovery and the registry of named components and methods.
+
+Plugins, built-in and third-party alike, are found through the entry-point group
+``kvcompress``. A plugin that fails to import or register is reported with its name and skipped
+(``KVCOMPRESS_STRICT_PLUGINS=1`` makes that fatal); ``KVCOMPRESS_DISABLE_PLUGINS=a,b`` blocks
+plugins by entry-point name. A component or method name claimed by two plugins is an error that
+names both providers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import threading
+import warnings
+from typing import Any, Iterable, Optional
+
+import attrs
+import pluggy
+
+from .components import KINDS, ComponentSpec, MethodSpec
+from .errors import PluginError
+from .hookspecs import HOOK_KINDS, PROJECT, ComponentSpecs
+
+__all__ = ["Registry", "get_registry", "reset_registry", "PluginInfo", "Provided"]
+
+ENV_DISABLE = "KVCOMPRESS_DISABLE_PLUGINS"
+ENV_STRICT = "KVCOMPRESS_STRICT_PLUGINS"
+
+
+@attrs.frozen
+class Provided:
+    """A registered record and who provided it."""
+
+    spec: Any
+    plugin: str
+    dist: str
+    version: str
+
+    @property
+    def provider(self) -> str:
+        return f"plugin {self.plugin!r} ({self.dist} {self.version})".replace(" )", ")")
+
+
+@attrs.frozen
+class PluginInfo:
+    """One plugin as the ``kvcompress plugins`` command lists it."""
+
+    name: str
+    dist: str
+    version: str
+    status: str  # "active", "disabled" or "failed"
+    components: tuple = ()
+    error: str = ""
+
+
+def _env_list(name: str) -> set[str]:
+    return {x.strip() for x in os.environ.get(name, "").split(",") if x.strip()}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class Registry:
+    """Named components (by kind) and methods collected from plugins.
+
+    Args:
+        entry_points: discover plugins from the ``kvcompress`` entry-point group.
+        plugins: extra ``(name, plugin_object)`` pairs to register (tests, notebooks).
+        disabled: entry-point names to block; defaults to ``$KVCOMPRESS_DISABLE_PLUGINS``.
+        strict: raise on a broken plugin instead of warning; defaults to
+            ``$KVCOMPRESS_STRICT_PLUGINS``.
+    """
+
+    def __init__(
+        self,
+        *,
+        entry_points: bool = True,
+        plugins: Iterable[tuple[str, Any]] = (),
+        disabled: Optional[Iterable[str]] = None,
+        strict: Optional[bool] = None,
+    ):
+        self.strict = _truthy(ENV_STRICT) if strict is None else bool(strict)
+        self.disabled = set(_env_list(ENV_DISABLE) if disabled is None else disabled)
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(ComponentSpecs)
+        self._dists: dict[str, tuple[str, str]] = {}
+        self._infos: list[PluginInfo] = []
+        if entry_points:
+            self._load_entry_points()
+        for name, obj in plugins:
+            self._register(name, obj, ("<in-process>", ""))
+        self.components: dict[str, dict[str, Provided]] = {k: {} for k in KINDS}
+        self.methods: dict[str, Provided] = {}
+        self._collect()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _fail(self, name: str, dist: tuple[str, str], what: str, exc: BaseException):
+        msg = f"kvcompress plugin {name!r} from {dist[0]} {dist[1]} {what}: {exc!r}"
+        if self.strict:
+            raise PluginError(msg + f" (unset {ENV_STRICT} to skip broken plugins)") from exc
+        warnings.warn(msg + "; it was skipped", RuntimeWarning, stacklevel=4)
+        self._infos.append(PluginInfo(name, dist[0], dist[1], "failed", (), repr(exc)))
+
+    def _load_entry_points(self):
+        seen = set()
+        for ep in md.entry_points(group=PROJECT):
+            if (ep.name, ep.value) in seen:
+                continue
+            seen.add((ep.name, ep.value))
+            dist = (ep.dist.name, ep.dist.version) if ep.dist is not None else ("?", "")
+            if ep.name in self.disabled:
+                self.pm.set_blocked(ep.name)
+                self._infos.append(PluginInfo(ep.name, dist[0], dist[1], "disabled"))
+                continue
+            try:
+                obj = ep.load()
+            except Exception as exc:  # a third-party import error must not break kvcompress
+                self._fail(ep.name, dist, "failed to import", exc)
+                continue
+            self._register(ep.name, obj, dist)
+
+    def _register(self, name: str, obj: Any, dist: tuple[str, str]):
+        if self.pm.has_plugin(name):
+            other = self._dists.get(name, ("?", ""))
+            raise PluginError(
+                f"two plugins are named {name!r}: one from {other[0]} {other[1]}, "
+                f"one from {dist[0]} {dist[1]}; uninstall one or disable it with {ENV_DISABLE}"
+            )
+        try:
+            self.pm.register(obj, name=name)
+        except Exception as exc:
+            self._fail(name, dist, "could not be registered", exc)
+            return
+        self._dists[name] = dist
+
+    # -- collecting records ----------------------------------------------------------------
+
+    def _collect(self):
+        provided: dict[str, list[str]] = {}
+        for hook_name, kind in HOOK_KINDS.items():
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                dist, version = self._dists.get(impl.plugin_name, ("?", ""))
+                try:
+                    records = list(impl.function() or [])
+                    for rec in records:
+                        self._check_record(rec, kind, hook_name)
+                except Exception as exc:
+                    self._fail(impl.plugin_name, (dist, version), f"returned a bad {hook_name}", exc)
+                    continue
+                table = self.methods if kind is None else self.components[kind]
+                for rec in records:
+                    entry = Provided(rec, impl.plugin_name, dist, version)
+                    if rec.name in table:
+                        what = "method" if kind is None else kind
+                        raise PluginError(
+                            f"{what} name {rec.name!r} is claimed twice: by "
+                            f"{table[rec.name].provider} and by {entry.provider}; "
+                            f"disable one with {ENV_DISABLE}=<plugin>"
+                        )
+                    table[rec.name] = entry
+                    label = f"{kind or 'method'}:{rec.name}"
+                    provided.setdefault(impl.plugin_name, []).append(label)
+        known = {i.name for i in self._infos}
+        for pname, (dist, version) in self._dists.items():
+            if pname not in known:
+                comps = tuple(provided.get(pname, ()))
+                self._infos.append(PluginInfo(pname, dist, version, "active", comps))
+
+    @staticmethod
+    def _check_record(rec, kind, hook_name):
+        if kind is None:
+            if not isinstance(rec, MethodSpec):
+                raise TypeError(f"{hook_name} must return MethodSpec records, got {rec!r}")
+            return
+        if not isinstance(rec, ComponentSpec):
+            raise TypeError(f"{hook_name} must return ComponentSpec records, got {rec!r}")
+        if rec.kind != kind:
+            raise TypeError(f"{hook_name} returned a {rec.kind} ({rec.name!r}), not a {kind}")
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def component(self, kind: str, name: str) -> ComponentSpec:
+        """The component of ``kind`` called ``name``; an unknown name lists the registered ones."""
+        from .errors import ConfigError
+
+        if kind not in self.components:
+            raise ConfigError(f"unknown component kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        table = self.components[kind]
+        if name not in table:
+            raise ConfigError(
+                f"unknown {kind} {name!r}; registered {kind}s: {', '.join(sorted(table)) or '(none)'}"
+            )
+        return table[name].spec
+
+    def method(self, name: str) -> MethodSpec:
+        """The named method; an unknown name lists the registered ones."""
+        from .errors import ConfigError
+
+        if name not in self.methods:
+            raise ConfigError(
+                f"unknown method {name!r}; registered methods: "
+                f"{', '.join(sorted(self.methods)) or '(none)'}"
+            )
+        return self.methods[name].spec
+
+    def provider(self, kind: Optional[str], name: str) -> Provided:
+        return self.methods[name] if kind is None else self.components[kind][name]
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every plugin seen: active, disabled or failed."""
+        return sorted(self._infos, key=lambda p: (p.status != "active", p.name))
+
+    def failed(self) -> list[PluginInfo]:
+        return [p for p in self._infos if p.status == "failed"]
+
+
+_LOCK = threading.Lock()
+_DEFAULT: Optional[Registry] = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, discovered on first use."""
+    global _DEFAULT
+    with _LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = Registry()
+        return _DEFAULT
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry so the next :func:`get_registry` rediscovers plugins."""
+    global _DEFAULT
+    with _LOCK:
+        _DEFAULT = None

@@ -1,0 +1,23 @@
+"""The drop disposition: evicted slots are simply forgotten."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import mlx.core as mx
+
+__all__ = ["Drop"]
+
+_ZERO = mx.array(0, dtype=mx.int32)
+
+
+@attrs.frozen
+class Drop:
+    """Evicted keys and values are discarded; survivors are untouched."""
+
+    requires: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset()
+
+    def dispose(self, ev):
+        return ev.keys, ev.values, ev.scores, _ZERO

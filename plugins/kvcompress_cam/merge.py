@@ -1,0 +1,159 @@
+"""Gated merge: fold evicted tokens into survivors instead of dropping them (CaM, ICML 2024).
+
+For each evicted slot ``l`` (per batch, KV head):
+
+* **gate** (Eq. 14): ``p = clamp(A_l / A_t, 0, 1)``, ``merge ~ Bernoulli(p)``, with ``A`` the
+  scorer's attention mass and ``A_t`` the target's score (``target="nearest"``) or the mean score
+  of the target window (``target="window"``). Draws are seeded by ``(seed, layer, draw id)``.
+* **target**: ``"nearest"`` -- the non-sink survivor whose key is most cosine-similar to ``k_l``;
+  ``"window"`` -- the paper's rule, the next ``merge_window`` (m) kept tokens after ``l``.
+* **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with ``w = max(cos(k_l, k_t), 0)``
+  (``sim_weighted``) or ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the
+  m targets (the paper's additive rule). Values always; keys only with ``merge_keys``.
+* **mass**: a merged loser's score moves to its target(s) (split evenly over a window).
+
+``merge="drop"`` does nothing at all, so the method is bit-for-bit the drop method.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import attrs
+import mlx.core as mx
+from attrs.validators import ge, in_, instance_of
+
+__all__ = ["GatedMerge", "gate_probability", "bernoulli_gate"]
+
+_ZERO = mx.array(0, dtype=mx.int32)
+
+
+def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
+    """Eq. 14: ``clamp(A_l / A_t, 0, 1)``; a non-positive target gives 1 iff ``A_l >= A_t``."""
+    ratio = loser_score / mx.where(target_score > 0, target_score, 1.0)
+    return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))
+
+
+def draw_key(seed: int, layer: int, draw_id: int) -> mx.array:
+    """A PRNG key unique to (seed, layer, draw id)."""
+    mixed = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
+    return mx.random.key(mixed)
+
+
+def bernoulli_gate(p: mx.array, seed: int, layer: int, draw_id: int) -> mx.array:
+    """``merge ~ Bernoulli(p)``, reproducible from (seed, layer, draw id)."""
+    u = mx.random.uniform(shape=p.shape, key=draw_key(seed, layer, draw_id))
+    return u < p
+
+
+def _evicted_mask(evict: mx.array, t: int) -> mx.array:
+    shape = evict.shape[:-1] + (t,)
+    return mx.put_along_axis(mx.zeros(shape, mx.bool_), evict, mx.ones(evict.shape, mx.bool_), axis=-1)
+
+
+def _scatter_add(x: mx.array, idx: mx.array, delta: mx.array) -> mx.array:
+    """``x[b, h, idx[b, h, e], ...] += delta[b, h, e, ...]`` (duplicates accumulate)."""
+    b, h = idx.shape[:2]
+    bi = mx.arange(b).reshape(b, *([1] * (idx.ndim - 1)))
+    hi = mx.arange(h).reshape(1, h, *([1] * (idx.ndim - 2)))
+    return x.at[bi, hi, idx].add(delta)
+
+
+@attrs.frozen
+class GatedMerge:
+    """CaM's gated merge of evicted tokens (see module docstring for the math)."""
+
+    merge: Literal["sim_weighted", "mean", "drop"] = attrs.field(
+        default="sim_weighted", validator=in_(("sim_weighted", "mean", "drop"))
+    )
+    merge_gate: bool = attrs.field(default=True, validator=instance_of(bool))
+    merge_keys: bool = attrs.field(default=False, validator=instance_of(bool))
+    target: Literal["nearest", "window"] = attrs.field(default="nearest", validator=in_(("nearest", "window")))
+    merge_window: int = attrs.field(default=32, validator=[instance_of(int), ge(1)])
+    n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
+    seed: int = attrs.field(default=0, validator=instance_of(int))
+
+    requires: ClassVar[frozenset] = frozenset({"attention_mass"})
+    provides: ClassVar[frozenset] = frozenset()
+
+    def dispose(self, ev):
+        if self.merge == "drop":
+            return ev.keys, ev.values, ev.scores, _ZERO
+        if self.target == "nearest":
+            return self._merge_nearest(ev)
+        return self._merge_window(ev)
+
+    # -- the design note's rule: one most-similar survivor ---------------------------------
+
+    def nearest_target(self, keys, positions, evict):
+        """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
+        t = keys.shape[2]
+        k = keys.astype(mx.float32)
+        k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + 1e-12)
+        kl = mx.take_along_axis(k, evict[..., None], axis=2)  # [B,H,E,D]
+        cos = kl @ k.swapaxes(-1, -2)  # [B,H,E,T]
+        invalid = (positions < self.n_sink) | _evicted_mask(evict, t)
+        cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
+        target = mx.argmax(cos, axis=-1).astype(mx.int32)
+        best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
+        return target, best, best > -mx.inf
+
+    def _merge_nearest(self, ev):
+        target, cos, has = self.nearest_target(ev.keys, ev.positions, ev.evict)
+        s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
+        s_t = mx.take_along_axis(ev.scores, target, axis=-1)
+        do = has
+        if self.merge_gate:
+            do = do & bernoulli_gate(gate_probability(s_l, s_t), self.seed, ev.layer, ev.draw_id)
+        w = mx.maximum(cos, 0.0) if self.merge == "sim_weighted" else mx.full(cos.shape, 0.5)
+        w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
+
+        def blend(x):
+            xl = mx.take_along_axis(x, ev.evict[..., None], axis=2).astype(mx.float32)
+            xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
+            return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
+
+        values = blend(ev.values)
+        keys = blend(ev.keys) if self.merge_keys else ev.keys
+        scores = _scatter_add(ev.scores, target, mx.where(do, s_l, 0.0))
+        return keys, values, scores, do.astype(mx.int32).sum()
+
+    # -- the paper's rule: the next m kept tokens --------------------------------------------
+
+    def window_targets(self, positions, evict):
+        """``(targets [B,H,E,m'] int32, valid [B,H,E,m'] bool)``: the next m kept tokens by position."""
+        t = positions.shape[-1]
+        pos_l = mx.take_along_axis(positions, evict, axis=-1)  # [B,H,E]
+        d = positions[:, :, None, :] - pos_l[..., None]  # [B,H,E,T]
+        ok = (d > 0) & ~_evicted_mask(evict, t)[:, :, None, :] & (positions >= self.n_sink)[:, :, None, :]
+        big = mx.array(2**30, dtype=d.dtype)
+        key = mx.where(ok, d, big)
+        m = min(self.merge_window, t)
+        order = mx.argsort(key, axis=-1)[..., :m] if m == t else mx.argpartition(key, kth=m - 1, axis=-1)[..., :m]
+        order = order.astype(mx.int32)
+        valid = mx.take_along_axis(ok, order, axis=-1)
+        return order, valid
+
+    def _merge_window(self, ev):
+        b, h, e = ev.evict.shape
+        targets, valid = self.window_targets(ev.positions, ev.evict)
+        m = targets.shape[-1]
+        count = valid.astype(mx.float32).sum(-1)  # [B,H,E]
+        s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
+        flat_t = targets.reshape(b, h, e * m)
+        s_win = mx.take_along_axis(ev.scores, flat_t, axis=-1).reshape(b, h, e, m)
+        mean_t = (s_win * valid).sum(-1) / mx.maximum(count, 1.0)
+        do = count > 0
+        if self.merge_gate:
+            do = do & bernoulli_gate(gate_probability(s_l, mean_t), self.seed, ev.layer, ev.draw_id)
+        share = mx.where(valid & do[..., None], 1.0 / mx.maximum(count, 1.0)[..., None], 0.0)  # [B,H,E,m]
+
+        def add(x):
+            xl = mx.take_along_axis(x, ev.evict[..., None], axis=2).astype(mx.float32)  # [B,H,E,D]
+            delta = (share[..., None] * xl[:, :, :, None, :]).reshape(b, h, e * m, x.shape[-1])
+            return _scatter_add(x.astype(mx.float32), flat_t, delta).astype(x.dtype)
+
+        values = add(ev.values)
+        keys = add(ev.keys) if self.merge_keys else ev.keys
+        scores = _scatter_add(ev.scores, flat_t, (share * s_l[..., None]).reshape(b, h, e * m))
+        return keys, values, scores, do.astype(mx.int32).sum()

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random mlx-lm models built in memory, and the optional trained model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+REPO = Path(__file__).resolve().parents[1]
+_DEFAULT_MODELS = REPO.parent / "shared" / "models"
+_DEFAULT_DATA = REPO.parent / "shared" / "data"
+
+
+def models_dir() -> Path:
+    """``$KVCOMPRESS_MODELS_DIR`` or ``../shared/models`` next to the checkout."""
+    return Path(os.environ.get("KVCOMPRESS_MODELS_DIR", _DEFAULT_MODELS))
+
+
+def data_dir() -> Path:
+    """``$KVCOMPRESS_DATA_DIR`` or ``../shared/data`` next to the checkout."""
+    return Path(os.environ.get("KVCOMPRESS_DATA_DIR", _DEFAULT_DATA))
+
+
+def tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, seed=0, dtype=mx.float32):
+    """A random-weight mlx-lm Llama; enough to exercise the cache protocol, not to talk."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def stories_model():
+    """The trained stories260K model and tokenizer; skips when the folder is absent."""
+    path = models_dir() / "stories260K"
+    if not (path / "config.json").exists():
+        pytest.skip(
+            f"trained model not found at {path}; set KVCOMPRESS_MODELS_DIR to a folder holding "
+            "stories260K to run this test"
+        )
+    import mlx_lm
+
+    return mlx_lm.load(str(path))
+
+
+@pytest.fixture(scope="session")
+def stories_text():
+    path = data_dir() / "tinystories_valid" / "tinystories_val.txt"
+    if not path.exists():
+        pytest.skip(f"evaluation text not found at {path}; set KVCOMPRESS_DATA_DIR")
+    return path.read_text()
