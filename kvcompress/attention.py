@@ -22,9 +22,10 @@ def _wrap(original):
     from .cache import CompressedKVCache
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        out = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw)
-        if isinstance(cache, CompressedKVCache):
-            cache.observe(queries, scale, mask)
+        if not isinstance(cache, CompressedKVCache):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw)
+        out = cache.attend(original, queries, keys, values, scale, mask, sinks)
+        cache.observe(queries, scale, mask)
         return out
 
     setattr(scaled_dot_product_attention, _MARK, original)

@@ -45,7 +45,7 @@ class CompressedKVCache(_BaseCache):
 
     step = 256
 
-    def __init__(self, method, budget: int, layer: int = 0):
+    def __init__(self, method, budget: int, layer: int = 0, shared: Optional[dict] = None):
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ConfigError(f"budget of layer {layer} must be a positive int, got {budget!r}")
         reserved = method.selector.reserved(budget)
@@ -58,6 +58,9 @@ class CompressedKVCache(_BaseCache):
         self.method = method
         self.budget = budget
         self.layer = layer
+        self.shared = {} if shared is None else shared
+        init = getattr(method.disposition, "init_state", None)
+        self.disposition_state = init() if init is not None else None
         self.keys = None
         self.values = None
         self._pos = None  # [B, H, n] int32 position of each slot
@@ -82,11 +85,14 @@ class CompressedKVCache(_BaseCache):
             self._observe_proxy()
         S = keys.shape[2]
         n_evict = self._n_evict(S)
-        if n_evict == 1 and S == 1:
-            self._evict_into_slot(keys, values)
+        if n_evict > 0:
+            k, v, scores, evict = self._select(n_evict)
+            if S == 1 and evict.shape[-1] == 1:
+                self._write_into_slot(k, v, scores, evict, keys, values)
+            else:
+                self._compact(k, v, scores, evict)
+                self._append(keys, values)
         else:
-            if n_evict > 0:
-                self._evict_and_compact(n_evict)
             self._append(keys, values)
         self._pending = keys
         self.offset += S
@@ -106,9 +112,14 @@ class CompressedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of every array the cache holds (key/value buffers, positions, scores)."""
+        extra = sum(a.nbytes for a in self._disposition_arrays())
         if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes + self._pos.nbytes + self._score.nbytes
+            return extra
+        return self.keys.nbytes + self.values.nbytes + self._pos.nbytes + self._score.nbytes + extra
+
+    def _disposition_arrays(self) -> list:
+        fn = getattr(self.method.disposition, "state_arrays", None)
+        return list(fn(self.disposition_state)) if fn is not None else []
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         """Mask for the next step of ``N`` tokens, for the layout after that step's eviction."""
@@ -146,10 +157,11 @@ class CompressedKVCache(_BaseCache):
     @property
     def state(self):
         meta = json.dumps(self._meta())
+        extra = self._disposition_arrays()
         if self.keys is None:
-            return [meta]
+            return [*extra, meta]
         k, v = self.keys_and_values()
-        return [k, v, self._pos, self._score, meta]
+        return [*extra, k, v, self._pos, self._score, meta]
 
     @state.setter
     def state(self, v):
@@ -157,6 +169,11 @@ class CompressedKVCache(_BaseCache):
         m = json.loads(meta)
         if m.get("version") != _STATE_VERSION:
             raise ConfigError(f"unsupported kvcompress cache state version {m.get('version')!r}")
+        n_extra = int(m.get("n_extra", 0))
+        extra, arrays = arrays[:n_extra], arrays[n_extra:]
+        restore = getattr(self.method.disposition, "restore_state", None)
+        if restore is not None:
+            self.disposition_state = restore(extra)
         if arrays:
             self.keys, self.values, self._pos, self._score = arrays
             self._pos = self._pos.astype(mx.int32)
@@ -201,11 +218,19 @@ class CompressedKVCache(_BaseCache):
             "merges": int(self._merges.item()),
             "query_steps": self._query_steps,
             "proxy_steps": self._proxy_steps,
+            "n_extra": len(self._disposition_arrays()),
         }
 
     # ----------------------------------------------------------------------------------------
-    # Observation (called by the scaled_dot_product_attention wrapper)
+    # Attention and observation (called by the scaled_dot_product_attention wrapper)
     # ----------------------------------------------------------------------------------------
+
+    def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
+        """The layer's attention: mlx-lm's ``sdpa`` unless the disposition keeps more tokens."""
+        attend = getattr(self.method.disposition, "attend", None)
+        if attend is None:
+            return sdpa(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
+        return attend(self.disposition_state, queries, keys, values, scale, mask, sinks, sdpa)
 
     def observe(self, queries: mx.array, scale: float, mask: Any) -> None:
         """Update scores from the real queries of the step that was just attended."""
@@ -242,6 +267,7 @@ class CompressedKVCache(_BaseCache):
             layer=self.layer,
             offset=self.offset,
             proxy=proxy,
+            shared=self.shared,
         )
         self._score = self.method.scorer.observe(self._score, obs).astype(mx.float32)
         self._pending = None
@@ -282,18 +308,20 @@ class CompressedKVCache(_BaseCache):
         sel = self.method.selector
         protected = sel.protected(self._pos, self.offset, self.budget)
         evict = sel.select(
-            Selection(self._score, self._pos, n_evict, self.budget, self.offset, self.layer)
+            Selection(self._score, self._pos, n_evict, self.budget, self.offset, self.layer, self.shared)
         ).astype(mx.int32)
-        ev = Eviction(k, v, self._score, self._pos, evict, protected, self.layer, self._rounds)
+        ev = Eviction(
+            k, v, self._score, self._pos, evict, protected, self.layer, self._rounds,
+            self.disposition_state, self.shared,
+        )
         k, v, scores, merged = self.method.disposition.dispose(ev)
         self._rounds += 1
-        self._evicted += n_evict
+        self._evicted += evict.shape[-1]
         self._merges = self._merges + merged
         return k, v, scores, evict
 
-    def _evict_into_slot(self, keys, values):
-        k, v, scores, evict = self._select(1)  # evict: [B, H, 1]
-        idx = evict[..., None]
+    def _write_into_slot(self, k, v, scores, evict, keys, values):
+        idx = evict[..., None]  # evict: [B, H, 1]
         b, h = keys.shape[:2]
         self.keys = mx.put_along_axis(k, mx.broadcast_to(idx, (b, h, 1, k.shape[-1])), keys, axis=2)
         self.values = mx.put_along_axis(
@@ -303,9 +331,8 @@ class CompressedKVCache(_BaseCache):
         self._pos = mx.put_along_axis(self._pos, evict, pos, axis=2)
         self._score = mx.put_along_axis(scores, evict, mx.zeros((b, h, 1), mx.float32), axis=2)
 
-    def _evict_and_compact(self, n_evict: int):
-        k, v, scores, evict = self._select(n_evict)
-        n = self._n
+    def _compact(self, k, v, scores, evict):
+        n, n_evict = self._n, evict.shape[-1]
         flag = mx.put_along_axis(
             mx.zeros(self._pos.shape, mx.int32), evict, mx.ones(evict.shape, mx.int32), axis=2
         )

@@ -136,6 +136,7 @@ class Observation:
     layer: int
     offset: int
     proxy: bool = False
+    shared: dict = attrs.field(factory=dict, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False)
 
     def attention_mass(self, last: Optional[int] = None) -> mx.array:
@@ -161,6 +162,9 @@ class Selection:
     """What a selector sees: choose ``n_evict`` slots per (batch, head) to leave.
 
     scores/positions are ``[B, H_kv, T]``; ``budget`` is this layer's kept-token budget.
+    A selector may return *more* than ``n_evict`` slots (e.g. whole chunks); the cache then
+    holds fewer tokens until they refill. ``shared`` is one dict per model (per
+    :func:`~kvcompress.make_prompt_cache` call) for cross-layer decisions such as index reuse.
     """
 
     scores: mx.array
@@ -169,6 +173,7 @@ class Selection:
     budget: int
     offset: int
     layer: int
+    shared: dict = attrs.field(factory=dict, repr=False)
 
 
 @attrs.define(slots=True)
@@ -189,6 +194,8 @@ class Eviction:
     protected: mx.array
     layer: int
     draw_id: int
+    state: Any = None
+    shared: dict = attrs.field(factory=dict, repr=False)
 
 
 @attrs.frozen
@@ -245,6 +252,16 @@ class Disposition(Protocol):
         """Return ``(keys, values, scores, n_merged)`` after folding in the evicted slots.
 
         ``n_merged`` is an int32 scalar array counting merges (0 for a pure drop).
+
+        Optional methods a disposition that keeps evicted tokens elsewhere (e.g. quantized)
+        may define; the cache calls them when present:
+
+        * ``init_state() -> state``: per-cache mutable state, passed back as ``ev.state``.
+        * ``attend(state, queries, keys, values, scale, mask, sinks, sdpa) -> out``: the layer's
+          attention over the stored slots *and* whatever the state holds (``sdpa`` is mlx-lm's
+          original function for the plain part).
+        * ``state_arrays(state) -> list[mx.array]`` / ``restore_state(arrays) -> state``: for
+          ``cache.state``, save/load and ``nbytes``.
         """
 
 
@@ -256,4 +273,9 @@ class Budget(Protocol):
     provides: ClassVar[frozenset]
 
     def layer_budgets(self, info: ModelInfo) -> list[int]:
-        """Kept tokens for each of ``info.n_layers`` layers."""
+        """Kept tokens for each of ``info.n_layers`` layers.
+
+        Any component may also define ``bind(model, caches)``; :func:`~kvcompress.make_prompt_cache`
+        calls it once per model after the caches exist (e.g. a data-driven budget installs its
+        prompt observers there and later sets ``cache.budget``).
+        """

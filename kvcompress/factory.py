@@ -70,8 +70,14 @@ def make_prompt_cache(
         )
     install(model)
     caches = list(default)
+    shared: dict = {}
     for layer, (i, b) in enumerate(zip(slots, budgets)):
-        caches[i] = CompressedKVCache(m, int(b), layer=layer)
+        caches[i] = CompressedKVCache(m, int(b), layer=layer, shared=shared)
+    compressed = [caches[i] for i in slots]
+    for kind in ("scorer", "selector", "disposition", "budget"):
+        bind = getattr(m.component(kind), "bind", None)
+        if bind is not None:
+            bind(model, compressed)
     return caches
 
 
