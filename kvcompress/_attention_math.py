@@ -45,21 +45,23 @@ def attention_mass(
         raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
     group = h_q // h_kv
     start = 0 if last is None else max(n - last, 0)
-    q = queries.astype(mx.float32).reshape(b, h_kv, group, n, d)
-    k = mx.expand_dims(keys.astype(mx.float32), 2)  # [B, H_kv, 1, T, D]
-    kt = k.swapaxes(-1, -2)
+    q = queries if queries.dtype == mx.float32 else queries.astype(mx.float32)
+    q = q.reshape(b, h_kv, group, n, d) * scale
+    k = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
+    kt = mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
     total = None
     for i0 in range(start, n, block):
         i1 = min(i0 + block, n)
-        logits = (q[:, :, :, i0:i1, :] * scale) @ kt  # [B, H_kv, G, nb, T]
+        qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1, :]
+        logits = qb @ kt  # [B, H_kv, G, nb, T]
         m = _block_mask(mask, i0, i1, n, t, h_kv, group)
         if m is not None:
             if m.dtype == mx.bool_:
                 logits = mx.where(m, logits, -mx.inf)
             else:
                 logits = logits + m.astype(mx.float32)
-        w = mx.softmax(logits, axis=-1).sum(axis=-2)  # [B, H_kv, G, T]
+        w = mx.softmax(logits, axis=-1).sum(axis=(2, 3))  # [B, H_kv, T]
         total = w if total is None else total + w
     if total is None:
         return mx.zeros((b, h_kv, t), dtype=mx.float32)
-    return total.mean(axis=2)
+    return total / group if group > 1 else total

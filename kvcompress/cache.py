@@ -61,6 +61,10 @@ class CompressedKVCache(_BaseCache):
         self.shared = {} if shared is None else shared
         init = getattr(method.disposition, "init_state", None)
         self.disposition_state = init() if init is not None else None
+        # Optional disposition hook: the keys a step attends (and scorers observe) may be a view
+        # of the stored ones, e.g. re-rotated to contiguous positions; storage is unchanged.
+        self._view_keys = getattr(method.disposition, "view_keys", None)
+        self._attended = None
         self.keys = None
         self.values = None
         self._pos = None  # [B, H, n] int32 position of each slot
@@ -96,7 +100,10 @@ class CompressedKVCache(_BaseCache):
             self._append(keys, values)
         self._pending = keys
         self.offset += S
-        return self.keys_and_values()
+        k, v = self.keys_and_values()
+        if self._view_keys is not None:
+            k = self._attended = self._view_keys(self.disposition_state, k, self._pos, self.offset)
+        return k, v
 
     def keys_and_values(self):
         if self.keys.shape[2] == self._n:
@@ -256,7 +263,8 @@ class CompressedKVCache(_BaseCache):
         self._proxy_steps += 1
 
     def _score_step(self, queries, scale, mask, proxy):
-        k, _ = self.keys_and_values()
+        k = self._attended if self._attended is not None else self.keys_and_values()[0]
+        self._attended = None
         obs = Observation(
             queries=queries,
             keys=k,
@@ -308,7 +316,9 @@ class CompressedKVCache(_BaseCache):
         sel = self.method.selector
         protected = sel.protected(self._pos, self.offset, self.budget)
         evict = sel.select(
-            Selection(self._score, self._pos, n_evict, self.budget, self.offset, self.layer, self.shared)
+            Selection(
+                self._score, self._pos, n_evict, self.budget, self.offset, self.layer, self.shared, protected
+            )
         ).astype(mx.int32)
         ev = Eviction(
             k, v, self._score, self._pos, evict, protected, self.layer, self._rounds,

@@ -174,6 +174,8 @@ class Selection:
     offset: int
     layer: int
     shared: dict = attrs.field(factory=dict, repr=False)
+    #: the selector's own ``protected(...)`` mask, computed once by the cache (may be None)
+    protected: Optional[mx.array] = None
 
 
 @attrs.define(slots=True)
@@ -262,6 +264,9 @@ class Disposition(Protocol):
           original function for the plain part).
         * ``state_arrays(state) -> list[mx.array]`` / ``restore_state(arrays) -> state``: for
           ``cache.state``, save/load and ``nbytes``.
+        * ``view_keys(state, keys, positions, offset) -> keys``: the keys a step attends (and
+          scorers observe), derived from the stored ones after every update (e.g. re-rotated
+          to contiguous positions for StreamingLLM's position shift); storage is unchanged.
         """
 
 

@@ -15,6 +15,7 @@ Errors name the field, the bad value and the valid choices.
 from __future__ import annotations
 
 import json
+import numbers
 import tomllib
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -123,6 +124,23 @@ def load_config(source: Union[str, Path, dict]) -> MethodConfig:
 # ------------------------------------------------------------------------------------------
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _strict(kind: type, accept: tuple, cast):
+    """A structure hook that refuses lossy coercions (``2.5`` -> ``2``, ``"false"`` -> ``True``)."""
+
+    def hook(value, _type):
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, accept):
+            raise TypeError(f"expected {kind.__name__}, got {value!r} ({type(value).__name__})")
+        return cast(value)
+
+    return hook
+
+
+_converter.register_structure_hook(bool, _strict(bool, (bool,), bool))
+_converter.register_structure_hook(int, _strict(int, (numbers.Integral,), int))
+_converter.register_structure_hook(float, _strict(float, (numbers.Real,), float))
+_converter.register_structure_hook(str, _strict(str, (str,), str))
 
 
 def _messages(exc: BaseException, path: str) -> list[str]:

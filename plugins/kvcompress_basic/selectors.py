@@ -41,7 +41,7 @@ class LowestScoreSelector:
         return keep
 
     def select(self, sel) -> mx.array:
-        prot = self.protected(sel.positions, sel.offset, sel.budget)
+        prot = sel.protected if sel.protected is not None else self.protected(sel.positions, sel.offset, sel.budget)
         s = mx.where(prot, mx.inf, sel.scores)
         if sel.n_evict == 1:
             return mx.argmin(s, axis=-1, keepdims=True)

@@ -7,9 +7,11 @@ For each evicted slot ``l`` (per batch, KV head):
   of the target window (``target="window"``). Draws are seeded by ``(seed, layer, draw id)``.
 * **target**: ``"nearest"`` -- the non-sink survivor whose key is most cosine-similar to ``k_l``;
   ``"window"`` -- the paper's rule, the next ``merge_window`` (m) kept tokens after ``l``.
-* **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with ``w = max(cos(k_l, k_t), 0)``
-  (``sim_weighted``) or ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the
-  m targets (the paper's additive rule). Values always; keys only with ``merge_keys``.
+* **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with ``w = max(cos(k_l, k_t), 0) / 2``
+  (``sim_weighted``: a loser whose key duplicates the target's is averaged in, a dissimilar one
+  barely perturbs it; the target never ends up closer to the loser than to itself) or
+  ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the m targets (the
+  paper's additive rule). Values always; keys only with ``merge_keys``.
 * **mass**: a merged loser's score moves to its target(s) (split evenly over a window).
 
 ``merge="drop"`` does nothing at all, so the method is bit-for-bit the drop method.
@@ -34,10 +36,15 @@ def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
     return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))
 
 
-def draw_key(seed: int, layer: int, draw_id: int) -> mx.array:
-    """A PRNG key unique to (seed, layer, draw id)."""
-    mixed = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
-    return mx.random.key(mixed)
+def draw_key(seed: int, layer, draw_id) -> mx.array:
+    """A PRNG key unique to (seed, layer, draw id); ``layer``/``draw_id`` may be ints or arrays."""
+    if isinstance(layer, int) and isinstance(draw_id, int):
+        mixed = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
+        return mx.random.key(mixed)
+    u32 = mx.uint32
+    lay = mx.array(layer).astype(u32) * mx.array(0x85EBCA77, u32) + mx.array(0x27D4EB2F, u32)
+    drw = mx.array(draw_id).astype(u32) * mx.array(0xC2B2AE3D, u32) + mx.array(0x165667B1, u32)
+    return mx.random.key(seed) ^ mx.stack([lay, drw]).reshape(2)
 
 
 def bernoulli_gate(p: mx.array, seed: int, layer: int, draw_id: int) -> mx.array:
@@ -88,11 +95,16 @@ class GatedMerge:
     def nearest_target(self, keys, positions, evict):
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
         t = keys.shape[2]
-        k = keys.astype(mx.float32)
-        k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + 1e-12)
-        kl = mx.take_along_axis(k, evict[..., None], axis=2)  # [B,H,E,D]
-        cos = kl @ k.swapaxes(-1, -2)  # [B,H,E,T]
-        invalid = (positions < self.n_sink) | _evicted_mask(evict, t)
+        kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
+        dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
+        norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))  # [B,H,T]
+        norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
+        cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
+        invalid = positions < self.n_sink
+        if evict.shape[-1] == 1:
+            invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
+        else:
+            invalid = invalid | _evicted_mask(evict, t)
         cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
         target = mx.argmax(cos, axis=-1).astype(mx.int32)
         best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
@@ -105,17 +117,24 @@ class GatedMerge:
         do = has
         if self.merge_gate:
             do = do & bernoulli_gate(gate_probability(s_l, s_t), self.seed, ev.layer, ev.draw_id)
-        w = mx.maximum(cos, 0.0) if self.merge == "sim_weighted" else mx.full(cos.shape, 0.5)
+        w = 0.5 * mx.maximum(cos, 0.0) if self.merge == "sim_weighted" else mx.full(cos.shape, 0.5)
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
+        single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
 
         def blend(x):
             xl = mx.take_along_axis(x, ev.evict[..., None], axis=2).astype(mx.float32)
             xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
+            if single:
+                return mx.put_along_axis(x, target[..., None], (xt + w * (xl - xt)).astype(x.dtype), axis=2)
             return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
 
         values = blend(ev.values)
         keys = blend(ev.keys) if self.merge_keys else ev.keys
-        scores = _scatter_add(ev.scores, target, mx.where(do, s_l, 0.0))
+        moved = mx.where(do, s_l, 0.0)
+        if single:
+            scores = mx.put_along_axis(ev.scores, target, s_t + moved, axis=-1)
+        else:
+            scores = _scatter_add(ev.scores, target, moved)
         return keys, values, scores, do.astype(mx.int32).sum()
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------

@@ -1,0 +1,219 @@
+"""``kvcompress`` command line: plugins, components, methods, config validation, bench, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+#: ``kvcompress bench <workload>`` -> module exposing ``add_arguments(parser)`` and ``run(args)``.
+BENCH_WORKLOADS = {
+    "retrieval": "kvcompress.bench.retrieval",
+    "synthetic": "kvcompress.bench.synthetic",
+    "perplexity": "kvcompress.bench.perplexity",
+    "speed": "kvcompress.bench.speed",
+}
+DEFAULT_WORKLOAD = "retrieval"
+
+
+def _registry():
+    from .registry import get_registry
+
+    return get_registry()
+
+
+def cmd_plugins(args) -> int:
+    reg = _registry()
+    rows = reg.plugins()
+    if args.json:
+        print(json.dumps([
+            {"name": p.name, "package": p.dist, "version": p.version, "status": p.status,
+             "components": list(p.components), **({"error": p.error} if p.error else {})}
+            for p in rows
+        ], indent=2))
+        return 0
+    for p in rows:
+        print(f"{p.name:<16} {p.dist} {p.version}  [{p.status}]")
+        for c in p.components:
+            print(f"    {c}")
+        if p.error:
+            print(f"    error: {p.error}")
+    return 0
+
+
+def cmd_components(args) -> int:
+    from .components import KINDS
+
+    reg = _registry()
+    kinds = [args.kind] if args.kind else list(KINDS)
+    out = {}
+    for kind in kinds:
+        out[kind] = [
+            {"name": name, "plugin": prov.plugin, "summary": prov.spec.summary, "params": prov.spec.params()}
+            for name, prov in sorted(reg.components[kind].items())
+        ]
+    if args.json:
+        print(json.dumps(out, indent=2, default=repr))
+        return 0
+    for kind, items in out.items():
+        print(f"{kind}s:")
+        for it in items:
+            params = ", ".join(f"{k}={v!r}" for k, v in it["params"].items())
+            print(f"  {it['name']:<16} {it['summary']}  ({params or 'no parameters'}) [{it['plugin']}]")
+    return 0
+
+
+def methods_table(reg=None) -> str:
+    """A Markdown table of the registered methods, generated from the registry."""
+    reg = reg or _registry()
+    lines = [
+        "| method | scorer | selector | disposition | budget | defaults | summary |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, prov in sorted(reg.methods.items()):
+        s = prov.spec
+        defaults = ", ".join(f"{k}={v}" for k, v in s.params.items())
+        title = f"[{name}]({s.paper})" if s.paper else name
+        lines.append(
+            f"| {title} | {s.scorer} | {s.selector} | {s.disposition} | {s.budget} | {defaults} | {s.summary} |"
+        )
+    return "\n".join(lines)
+
+
+def cmd_methods(args) -> int:
+    reg = _registry()
+    if args.markdown:
+        print(methods_table(reg))
+        return 0
+    if args.json:
+        print(json.dumps({n: {"scorer": p.spec.scorer, "selector": p.spec.selector,
+                              "disposition": p.spec.disposition, "budget": p.spec.budget,
+                              "params": p.spec.params, "summary": p.spec.summary,
+                              "plugin": p.plugin} for n, p in sorted(reg.methods.items())}, indent=2))
+        return 0
+    for name, prov in sorted(reg.methods.items()):
+        s = prov.spec
+        print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+    return 0
+
+
+def cmd_config_validate(args) -> int:
+    from .config import load_config
+    from .errors import KVCompressError
+    from .method import build_method
+
+    try:
+        method = build_method(load_config(args.file))
+    except KVCompressError as exc:
+        print(f"{args.file}: invalid: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.file}: ok")
+    print(method.describe())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    mod = importlib.import_module(BENCH_WORKLOADS[args.workload])
+    mod.run(args)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import platform
+
+    import mlx.core as mx
+
+    from ._blas import FIX_HINT, find_openblas, openblas_preloaded
+
+    print(f"python     {platform.python_version()} on {platform.system()} {platform.machine()}")
+    try:
+        import mlx_lm
+
+        lm_version = mlx_lm.__version__
+    except Exception:  # pragma: no cover - mlx_lm is a dependency
+        lm_version = "?"
+    print(f"mlx        {mx.__version__}   mlx-lm {lm_version}")
+    print(f"device     {mx.default_device()}")
+    if platform.system() == "Linux":
+        if openblas_preloaded():
+            print("blas       OpenBLAS preloaded (fast CPU matmul)")
+        else:
+            lib = find_openblas()
+            where = f"found at {lib} but not preloaded" if lib else "not installed"
+            print(f"blas       reference BLAS (~35x slower matmul); OpenBLAS {where}")
+            print(f"           fix: {FIX_HINT}")
+    reg = _registry()
+    for p in reg.plugins():
+        print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
+    if reg.failed():
+        print(f"{len(reg.failed())} plugin(s) failed to load; set KVCOMPRESS_STRICT_PLUGINS=1 for a traceback")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list plugins, their package, version and components")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("components", help="list components by kind with a one-line summary")
+    p.add_argument("--kind", choices=["scorer", "selector", "disposition", "budget"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_components)
+
+    p = sub.add_parser("methods", help="list named methods (compositions)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the README's methods table")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("config", help="work with method config files")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="check a TOML/JSON method config and explain any error")
+    v.add_argument("file")
+    v.set_defaults(func=cmd_config_validate)
+
+    p = sub.add_parser("bench", help="compare methods side by side (default workload: retrieval)")
+    wsub = p.add_subparsers(dest="workload")
+    for name, modname in BENCH_WORKLOADS.items():
+        w = wsub.add_parser(name, help=f"the {name} workload")
+        try:
+            importlib.import_module(modname).add_arguments(w)
+        except ImportError as exc:  # a workload whose optional deps are missing
+            w.set_defaults(_import_error=str(exc))
+        w.set_defaults(func=cmd_bench, workload=name)
+    p.set_defaults(func=cmd_bench, workload=None)
+
+    p = sub.add_parser("doctor", help="check MLX, BLAS speed and plugins")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from ._blas import reexec_with_openblas
+
+    if argv and argv[0] in ("bench", "generate"):
+        reexec_with_openblas(["-m", "kvcompress", *argv])
+    parser = build_parser()
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")):
+        argv = ["bench", DEFAULT_WORKLOAD, *argv[1:]]
+    args = parser.parse_args(argv)
+    if getattr(args, "_import_error", None):
+        parser.error(f"workload {args.workload!r} is unavailable: {args._import_error}")
+    from .errors import KVCompressError
+
+    try:
+        return int(args.func(args) or 0)
+    except KVCompressError as exc:
+        print(f"kvcompress: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
