@@ -50,7 +50,7 @@ def make_prompt_cache(
 
     ``make_prompt_cache(model, method="cam", budget=64)`` or a composition:
     ``make_prompt_cache(model, None, scorer="h2o", selector="lowest",
-    disposition="gated_merge", budget="uniform", budget_tokens=...)``. Layers whose default
+    disposition="gated_merge", budget={"name": "uniform", "budget": 64})``. Layers whose default
     cache is not a plain ``KVCache`` (sliding-window, SSM state) keep their default cache.
     Installs the query-observing attention wrapper (:func:`kvcompress.install`).
     """

@@ -131,7 +131,10 @@ class Registry:
             )
         try:
             self.pm.register(obj, name=name)
+            self.pm.check_pending()  # a misspelled hook name is an error, not silence
         except Exception as exc:
+            if self.pm.is_registered(obj):
+                self.pm.unregister(obj)
             self._fail(name, dist, "could not be registered", exc)
             return
         self._dists[name] = dist

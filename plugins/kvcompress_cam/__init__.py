@@ -32,6 +32,7 @@ def kvcompress_methods():
             params={
                 "budget": 512,
                 "n_sink": 4,
+                "recent_ratio": 0.5,
                 "merge": "sim_weighted",
                 "merge_gate": True,
                 "merge_keys": False,

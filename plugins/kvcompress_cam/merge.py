@@ -117,7 +117,11 @@ class GatedMerge:
         do = has
         if self.merge_gate:
             do = do & bernoulli_gate(gate_probability(s_l, s_t), self.seed, ev.layer, ev.draw_id)
-        w = 0.5 * mx.maximum(cos, 0.0) if self.merge == "sim_weighted" else mx.full(cos.shape, 0.5)
+        if self.merge == "sim_weighted":
+            do = do & (cos > 0)  # w = 0: nothing would move, so it is not counted as a merge
+            w = 0.5 * mx.maximum(cos, 0.0)
+        else:
+            w = mx.full(cos.shape, 0.5)
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
 
