@@ -184,10 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
         w = wsub.add_parser(name, help=f"the {name} workload")
         try:
             importlib.import_module(modname).add_arguments(w)
-        except ImportError as exc:  # a workload whose optional deps are missing
+        except (ImportError, AttributeError) as exc:  # missing optional deps, or not a workload module
             w.set_defaults(_import_error=str(exc))
         w.set_defaults(func=cmd_bench, workload=name)
     p.set_defaults(func=cmd_bench, workload=None)
+
+    p = sub.add_parser("generate", help="mlx_lm.generate with a compressed cache, and the bytes it saved")
+    from . import generate
+
+    generate.add_arguments(p)
+    p.set_defaults(func=lambda a: generate.run(a) and 0)
 
     p = sub.add_parser("doctor", help="check MLX, BLAS speed and plugins")
     p.set_defaults(func=cmd_doctor)

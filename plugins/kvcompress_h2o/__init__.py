@@ -24,7 +24,7 @@ def kvcompress_methods():
             disposition="drop",
             budget="uniform",
             summary="H2O: evict the lowest cumulative attention mass; sinks kept",
-            params={"budget": 512, "n_sink": 4},
+            params={"budget": 512, "n_sink": 4, "recent_ratio": 0.5},
             paper=PAPER,
         )
     ]
