@@ -36,6 +36,7 @@ def kvcompress_methods():
                 "merge": "sim_weighted",
                 "merge_gate": True,
                 "merge_keys": False,
+                "transfer_mass": False,
                 "seed": 0,
             },
             paper=PAPER,

@@ -12,7 +12,8 @@ For each evicted slot ``l`` (per batch, KV head):
   barely perturbs it; the target never ends up closer to the loser than to itself) or
   ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the m targets (the
   paper's additive rule). Values always; keys only with ``merge_keys``.
-* **mass**: a merged loser's score moves to its target(s) (split evenly over a window).
+* **mass** (``transfer_mass``): a merged loser's score moves to its target(s) (split evenly over
+  a window), as the design note does; off, the target keeps its own score.
 
 ``merge="drop"`` does nothing at all, so the method is bit-for-bit the drop method.
 """
@@ -78,6 +79,7 @@ class GatedMerge:
     target: Literal["nearest", "window"] = attrs.field(default="nearest", validator=in_(("nearest", "window")))
     merge_window: int = attrs.field(default=32, validator=[instance_of(int), ge(1)])
     n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
+    transfer_mass: bool = attrs.field(default=True, validator=instance_of(bool))
     seed: int = attrs.field(default=0, validator=instance_of(int))
 
     requires: ClassVar[frozenset] = frozenset({"attention_mass"})
@@ -134,6 +136,8 @@ class GatedMerge:
 
         values = blend(ev.values)
         keys = blend(ev.keys) if self.merge_keys else ev.keys
+        if not self.transfer_mass:
+            return keys, values, ev.scores, do.astype(mx.int32).sum()
         moved = mx.where(do, s_l, 0.0)
         if single:
             scores = mx.put_along_axis(ev.scores, target, s_t + moved, axis=-1)
@@ -178,5 +182,7 @@ class GatedMerge:
 
         values = add(ev.values)
         keys = add(ev.keys) if self.merge_keys else ev.keys
+        if not self.transfer_mass:
+            return keys, values, ev.scores, do.astype(mx.int32).sum()
         scores = _scatter_add(ev.scores, flat_t, (share * s_l[..., None]).reshape(b, h, e * m))
         return keys, values, scores, do.astype(mx.int32).sum()
