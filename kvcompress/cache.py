@@ -34,6 +34,25 @@ _STATE_VERSION = 1
 _proxy_warned = False
 
 
+def _fit_mask(mask: Any, t: int) -> Any:
+    """An array mask sized for another layer, re-fitted to this layer's ``t`` attended slots.
+
+    Some mlx-lm models build one array mask per forward from layer 0's cache and pass it to
+    every layer; with per-layer budgets the layers store different numbers of slots. In every
+    layer the step's tokens are the last columns and all older slots are visible to all of the
+    step's queries, so the mask is aligned bottom-right: extra leading columns are cropped,
+    missing ones are added as visible (True / 0).
+    """
+    if not isinstance(mask, mx.array) or mask.shape[-1] == t:
+        return mask
+    tm = mask.shape[-1]
+    if tm > t:
+        return mask[..., tm - t :]
+    shape = mask.shape[:-1] + (t - tm,)
+    fill = mx.ones(shape, mx.bool_) if mask.dtype == mx.bool_ else mx.zeros(shape, mask.dtype)
+    return mx.concatenate([fill, mask], axis=-1)
+
+
 class CompressedKVCache(_BaseCache):
     """A bounded KV cache for one attention layer, driven by a :class:`~kvcompress.Method`.
 
@@ -141,7 +160,7 @@ class CompressedKVCache(_BaseCache):
             return None
         if not return_array:
             return "causal"
-        t = self._n - self._n_evict(N) + N
+        t = self._n - self._evict_count(N) + N
         q = mx.arange(t - N, t)[:, None]
         return q >= mx.arange(t)[None]
 
@@ -234,6 +253,7 @@ class CompressedKVCache(_BaseCache):
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """The layer's attention: mlx-lm's ``sdpa`` unless the disposition keeps more tokens."""
+        mask = _fit_mask(mask, keys.shape[2])
         attend = getattr(self.method.disposition, "attend", None)
         if attend is None:
             return sdpa(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
@@ -243,7 +263,7 @@ class CompressedKVCache(_BaseCache):
         """Update scores from the real queries of the step that was just attended."""
         if self._pending is None:
             return
-        self._score_step(queries, scale, mask, proxy=False)
+        self._score_step(queries, scale, _fit_mask(mask, self._n), proxy=False)
         self._query_steps += 1
 
     def _observe_proxy(self) -> None:
@@ -310,6 +330,12 @@ class CompressedKVCache(_BaseCache):
         if self._n + S <= self.budget:
             return 0
         return max(self._n - (self.budget - 1), 0)
+
+    def _evict_count(self, S: int) -> int:
+        """Slots the next ``S``-token update will free (a selector may free more than needed)."""
+        n = self._n_evict(S)
+        count = getattr(self.method.selector, "evict_count", None)
+        return int(count(n)) if count is not None and n > 0 else n
 
     def _select(self, n_evict: int):
         k, v = self.keys_and_values()

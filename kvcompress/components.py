@@ -240,7 +240,12 @@ class Selector(Protocol):
         """``[B, H_kv, T]`` bool: slots that may never leave."""
 
     def select(self, sel: Selection) -> mx.array:
-        """Return ``[B, H_kv, n_evict]`` int32 slot indices to evict."""
+        """Return ``[B, H_kv, n_evict]`` int32 slot indices to evict.
+
+        A selector that frees more than ``n_evict`` slots (whole chunks) must also define
+        ``evict_count(n_evict) -> int``, the exact count it returns, so the cache can size the
+        step's mask before the step (``make_mask(N, return_array=True)``).
+        """
 
 
 @runtime_checkable
