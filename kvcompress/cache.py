@@ -31,6 +31,8 @@ from .errors import ConfigError
 __all__ = ["CompressedKVCache"]
 
 _STATE_VERSION = 1
+#: dispositions that never merge may return this to skip the merge counter
+_NO_MERGES = None
 _proxy_warned = False
 
 
@@ -353,7 +355,10 @@ class CompressedKVCache(_BaseCache):
         k, v, scores, merged = self.method.disposition.dispose(ev)
         self._rounds += 1
         self._evicted += evict.shape[-1]
-        self._merges = self._merges + merged
+        if merged is not _NO_MERGES:
+            self._merges = self._merges + merged
+            if self._rounds % 128 == 0:  # keep the lazy counter's graph from growing unbounded
+                mx.async_eval(self._merges)
         return k, v, scores, evict
 
     def _write_into_slot(self, k, v, scores, evict, keys, values):

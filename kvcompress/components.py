@@ -258,7 +258,8 @@ class Disposition(Protocol):
     def dispose(self, ev: Eviction) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return ``(keys, values, scores, n_merged)`` after folding in the evicted slots.
 
-        ``n_merged`` is an int32 scalar array counting merges (0 for a pure drop).
+        ``n_merged`` is an int32 scalar array counting merges, or None for a disposition that
+        never merges (which spares the cache an op per step).
 
         Optional methods a disposition that keeps evicted tokens elsewhere (e.g. quantized)
         may define; the cache calls them when present:

@@ -5,11 +5,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-import mlx.core as mx
 
 __all__ = ["Drop"]
-
-_ZERO = mx.array(0, dtype=mx.int32)
 
 
 @attrs.frozen
@@ -20,4 +17,4 @@ class Drop:
     provides: ClassVar[frozenset] = frozenset()
 
     def dispose(self, ev):
-        return ev.keys, ev.values, ev.scores, _ZERO
+        return ev.keys, ev.values, ev.scores, None

@@ -28,7 +28,6 @@ from attrs.validators import ge, in_, instance_of
 
 __all__ = ["GatedMerge", "gate_probability", "bernoulli_gate"]
 
-_ZERO = mx.array(0, dtype=mx.int32)
 
 
 def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
@@ -87,7 +86,7 @@ class GatedMerge:
 
     def dispose(self, ev):
         if self.merge == "drop":
-            return ev.keys, ev.values, ev.scores, _ZERO
+            return ev.keys, ev.values, ev.scores, None
         if self.target == "nearest":
             return self._merge_nearest(ev)
         return self._merge_window(ev)
