@@ -673,3 +673,15 @@ def test_real_model_drop_equals_h2o_and_sim_weighted_merges(stories_model, stori
     # Merging changed the kept values relative to dropping, but not the kept positions' count.
     assert any(not mx.array_equal(a.state[-4], b.state[-4]).item() for a, b in zip(cam, drop))
     assert all(a.size() == b.size() == 32 for a, b in zip(cam, drop))
+
+
+def test_gate_draws_do_not_depend_on_the_batch():
+    """A row's draws are the same alone or inside a batch (indexed hashing, not a shaped draw)."""
+    from kvcompress_cam.merge import gate_uniforms
+
+    alone = gate_uniforms((1, 4, 3), 5, 2, 9)
+    batch = gate_uniforms((3, 4, 3), 5, 2, 9)
+    assert mx.array_equal(batch[:1], alone).item()
+    assert not mx.array_equal(batch[1:2], alone).item()
+    u = np.array(gate_uniforms((64, 32, 16), 0, 0, 0)).ravel()
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01

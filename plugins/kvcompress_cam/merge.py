@@ -26,7 +26,7 @@ import attrs
 import mlx.core as mx
 from attrs.validators import ge, in_, instance_of
 
-__all__ = ["GatedMerge", "gate_probability", "bernoulli_gate"]
+__all__ = ["GatedMerge", "gate_probability", "bernoulli_gate", "gate_uniforms"]
 
 
 
@@ -36,21 +36,36 @@ def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
     return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))
 
 
-def draw_key(seed: int, layer, draw_id) -> mx.array:
-    """A PRNG key unique to (seed, layer, draw id); ``layer``/``draw_id`` may be ints or arrays."""
-    if isinstance(layer, int) and isinstance(draw_id, int):
-        mixed = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) % (1 << 63)
-        return mx.random.key(mixed)
+def _mix32(x: mx.array) -> mx.array:
+    """A 32-bit integer hash (the "lowbias32" finalizer): uniform bits from consecutive inputs."""
     u32 = mx.uint32
-    lay = mx.array(layer).astype(u32) * mx.array(0x85EBCA77, u32) + mx.array(0x27D4EB2F, u32)
-    drw = mx.array(draw_id).astype(u32) * mx.array(0xC2B2AE3D, u32) + mx.array(0x165667B1, u32)
-    return mx.random.key(seed) ^ mx.stack([lay, drw]).reshape(2)
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, u32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, u32)
+    return x ^ (x >> 16)
+
+
+def gate_uniforms(shape: tuple, seed: int, layer: int, draw_id: int) -> mx.array:
+    """Uniforms in [0, 1) indexed by (seed, layer, draw id, batch row, head, loser).
+
+    Each value depends only on its own index, never on the batch size or on ``mx.random``'s
+    global state, so a sequence gets the same draws alone or inside any batch.
+    """
+    base = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+    idx = mx.zeros(shape, mx.uint32)
+    stride = 1
+    for axis in range(len(shape) - 1, -1, -1):  # row-major index over a fixed-size grid
+        ar = mx.arange(shape[axis], dtype=mx.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        idx = idx + ar * mx.array(stride * 0x9E3779B1 & 0xFFFFFFFF, mx.uint32)
+        stride = stride * 0x10001 + 1
+    bits = _mix32(_mix32(idx ^ mx.array(base, mx.uint32)) + mx.array(base >> 7, mx.uint32))
+    return (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24))
 
 
 def bernoulli_gate(p: mx.array, seed: int, layer: int, draw_id: int) -> mx.array:
-    """``merge ~ Bernoulli(p)``, reproducible from (seed, layer, draw id)."""
-    u = mx.random.uniform(shape=p.shape, key=draw_key(seed, layer, draw_id))
-    return u < p
+    """``merge ~ Bernoulli(p)``, reproducible from (seed, layer, draw id), batch-independent."""
+    return gate_uniforms(p.shape, seed, layer, draw_id) < p
 
 
 def _evicted_mask(evict: mx.array, t: int) -> mx.array:
