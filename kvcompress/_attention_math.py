@@ -65,3 +65,40 @@ def attention_mass(
     if total is None:
         return mx.zeros((b, h_kv, t), dtype=mx.float32)
     return total / group if group > 1 else total
+
+
+def attention_with_mass(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Any = None,
+    block: int = _QUERY_BLOCK,
+) -> tuple[mx.array, mx.array]:
+    """Attention output and :func:`attention_mass` from one softmax, in query blocks.
+
+    Used for multi-token steps of a compressing cache: the softmax weights the output needs are
+    the ones the scorer sums, so computing them once saves a second pass over ``N x T``.
+    Returns ``(out [B, H_q, N, D_v] in the queries' dtype, mass [B, H_kv, T] float32)``.
+    """
+    b, h_q, n, d = queries.shape
+    h_kv, t = keys.shape[1], keys.shape[2]
+    group = h_q // h_kv
+    q = queries.astype(mx.float32).reshape(b, h_kv, group, n, d) * scale
+    kt = mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
+    v = mx.expand_dims(values.astype(mx.float32), 2)  # [B, H_kv, 1, T, Dv]
+    outs, total = [], None
+    for i0 in range(0, n, block):
+        i1 = min(i0 + block, n)
+        qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1, :]
+        logits = qb @ kt
+        m = _block_mask(mask, i0, i1, n, t, h_kv, group)
+        if m is not None:
+            logits = mx.where(m, logits, -mx.inf) if m.dtype == mx.bool_ else logits + m.astype(mx.float32)
+        w = mx.softmax(logits, axis=-1)
+        outs.append(w @ v)  # [B, H_kv, G, nb, Dv]
+        s = w.sum(axis=(2, 3))
+        total = s if total is None else total + s
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    out = out.reshape(b, h_q, n, -1).astype(queries.dtype)
+    return out, (total / group if group > 1 else total)

@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from ._attention_math import attention_with_mass
 from .components import Eviction, Observation, Selection
 from .errors import ConfigError
 
@@ -80,6 +81,7 @@ class CompressedKVCache(_BaseCache):
         self.budget = budget
         self.layer = layer
         self.shared = {} if shared is None else shared
+        self._step_mass = None  # attention mass computed together with a chunk's attention
         init = getattr(method.disposition, "init_state", None)
         self.disposition_state = init() if init is not None else None
         # Optional disposition hook: the keys a step attends (and scorers observe) may be a view
@@ -257,9 +259,18 @@ class CompressedKVCache(_BaseCache):
         """The layer's attention: mlx-lm's ``sdpa`` unless the disposition keeps more tokens."""
         mask = _fit_mask(mask, keys.shape[2])
         attend = getattr(self.method.disposition, "attend", None)
-        if attend is None:
-            return sdpa(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
-        return attend(self.disposition_state, queries, keys, values, scale, mask, sinks, sdpa)
+        if attend is not None:
+            return attend(self.disposition_state, queries, keys, values, scale, mask, sinks, sdpa)
+        if (
+            queries.shape[2] > 1
+            and sinks is None
+            and self.offset > self.budget
+            and "queries" in self.method.scorer.requires
+        ):
+            # A compressing prefill chunk: one softmax gives both the output and the scores.
+            out, self._step_mass = attention_with_mass(queries, keys, values, scale, mask)
+            return out
+        return sdpa(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
 
     def observe(self, queries: mx.array, scale: float, mask: Any) -> None:
         """Update scores from the real queries of the step that was just attended."""
@@ -287,6 +298,7 @@ class CompressedKVCache(_BaseCache):
     def _score_step(self, queries, scale, mask, proxy):
         k = self._attended if self._attended is not None else self.keys_and_values()[0]
         self._attended = None
+        mass, self._step_mass = self._step_mass, None
         obs = Observation(
             queries=queries,
             keys=k,
@@ -299,6 +311,8 @@ class CompressedKVCache(_BaseCache):
             proxy=proxy,
             shared=self.shared,
         )
+        if mass is not None and not proxy:
+            obs.seed_attention_mass(mass)
         self._score = self.method.scorer.observe(self._score, obs).astype(mx.float32)
         self._pending = None
 

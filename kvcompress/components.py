@@ -139,6 +139,10 @@ class Observation:
     shared: dict = attrs.field(factory=dict, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False)
 
+    def seed_attention_mass(self, mass: mx.array) -> None:
+        """Provide the all-queries mass already computed with the step's attention."""
+        self._cache[("mass", None)] = mass
+
     def attention_mass(self, last: Optional[int] = None) -> mx.array:
         """Attention weights summed over the step's queries, ``[B, H_kv, T]`` float32.
 
@@ -149,7 +153,7 @@ class Observation:
         """
         from ._attention_math import attention_mass
 
-        key = ("mass", last)
+        key = ("mass", None if last is not None and last >= self.n_new else last)
         if key not in self._cache:
             self._cache[key] = attention_mass(
                 self.queries, self.keys, self.scale, self.mask, last=last

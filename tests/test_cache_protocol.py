@@ -605,3 +605,21 @@ def test_wrapper_installed_by_make_prompt_cache_uses_real_queries(method):
     for c in cache:
         assert c.score_source == "queries" and c.evictions > 0
         assert c._proxy_steps == 0 and c._query_steps == len(range(0, n, n // 4)) + 5
+
+
+def test_fused_chunk_attention_matches_sdpa_and_seeds_the_mass():
+    """A compressing prefill chunk computes attention and H2O mass from one softmax: the output
+    equals mlx's fast attention and the mass equals the separate blockwise computation."""
+    import mlx.core as mx
+
+    from kvcompress._attention_math import attention_mass, attention_with_mass
+
+    mx.random.seed(3)
+    q = mx.random.normal((2, 8, 37, 16))
+    k = mx.random.normal((2, 2, 90, 16))
+    v = mx.random.normal((2, 2, 90, 16))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    out, mass = attention_with_mass(q, k, v, 0.25, "causal", block=16)
+    assert mx.allclose(out, ref, atol=1e-5).item()
+    assert mx.allclose(mass, attention_mass(q, k, 0.25, "causal"), atol=1e-5).item()
+    assert mx.allclose(mass.sum(-1), mx.full((2, 2), 37.0), atol=1e-3).item()  # each query sums to 1
