@@ -225,12 +225,12 @@ class CompressedKVCache(_BaseCache):
         pass  # everything lives in ``state`` (mlx-lm >= 0.30 saves only ``state``)
 
     @classmethod
-    def from_state(cls, state, meta_state=None):
+    def from_state(cls, state, meta_state=None, registry=None):
         """Rebuild a cache saved with ``save_prompt_cache`` (see :func:`kvcompress.load_prompt_cache`)."""
         from .method import build_method
 
         m = json.loads(state[-1])
-        method = build_method(m["config"])
+        method = build_method(m["config"], registry=registry)
         obj = cls(method, int(m["budget"]), int(m["layer"]))
         obj.state = state
         return obj
@@ -403,9 +403,13 @@ class CompressedKVCache(_BaseCache):
         dv = values.shape[3]
         prev = self._n
         if self.keys is None or prev + S > self.keys.shape[2]:
-            n_steps = (self.step + S - 1) // self.step
-            new_k = mx.zeros((b, h, n_steps * self.step, dk), keys.dtype)
-            new_v = mx.zeros((b, h, n_steps * self.step, dv), values.dtype)
+            # grow in steps (like KVCache), but never past what this layer can hold
+            need = prev + S
+            cap = (need + self.step - 1) // self.step * self.step
+            cap = min(cap, self.budget) if need <= self.budget else need
+            grow = cap - prev
+            new_k = mx.zeros((b, h, grow, dk), keys.dtype)
+            new_v = mx.zeros((b, h, grow, dv), values.dtype)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
                 self._pos = mx.zeros((b, h, 0), mx.int32)

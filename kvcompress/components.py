@@ -137,7 +137,7 @@ class Observation:
     offset: int
     proxy: bool = False
     shared: dict = attrs.field(factory=dict, repr=False)
-    _cache: dict = attrs.field(factory=dict, repr=False)
+    _cache: dict = attrs.field(factory=dict, repr=False, init=False)
 
     def seed_attention_mass(self, mass: mx.array) -> None:
         """Provide the all-queries mass already computed with the step's attention."""
@@ -187,8 +187,8 @@ class Eviction:
     """What a disposition sees: the stored slots and the slots about to be freed.
 
     keys/values ``[B, H_kv, T, D]``, scores/positions ``[B, H_kv, T]``, evict ``[B, H_kv, E]``
-    int32 slot indices, protected ``[B, H_kv, T]`` bool (slots a disposition must not use as
-    merge targets, e.g. attention sinks). ``draw_id`` is unique per (layer, eviction round)
+    int32 slot indices, protected ``[B, H_kv, T]`` bool (the selector's never-evict mask: sinks
+    and any recent window; a merging disposition decides itself which of them may be targets). ``draw_id`` is unique per (layer, eviction round)
     for seeded randomness.
     """
 

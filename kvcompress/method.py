@@ -88,10 +88,10 @@ def build_method(
         )
     specs = {k: reg.component(k, names[k]) for k in KINDS}
     flat.update(config.params)
-    flat.update(params)
 
     per_kind: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
-    for key, value in flat.items():
+    explicit = dict(params)  # keyword arguments win over everything a config pins
+    for key, value in [*flat.items(), *explicit.items()]:
         owners = [k for k in KINDS if key in specs[k].params()]
         if not owners and key == "seed":
             continue  # a seed is offered to seeded components; deterministic ones ignore it
@@ -106,6 +106,7 @@ def build_method(
         c = config.component(kind)
         if c is not None:
             per_kind[kind].update(c.params)
+        per_kind[kind].update({k: v for k, v in explicit.items() if k in specs[kind].params()})
 
     comps = {}
     for kind in KINDS:

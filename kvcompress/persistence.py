@@ -25,8 +25,11 @@ def save_prompt_cache(file_name: str, cache: list, metadata: Optional[dict] = No
     _mlx_cache.save_prompt_cache(file_name, cache, metadata or {})
 
 
-def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
-    """Read a cache written by :func:`save_prompt_cache` (or mlx-lm's)."""
+def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=None) -> Any:
+    """Read a cache written by :func:`save_prompt_cache` (or mlx-lm's).
+
+    Compressed layers rebuild their method from ``registry`` (default: the process-wide one).
+    """
     arrays, cache_metadata = mx.load(file_name, return_metadata=True)
     metadata, classes, scalars = tree_unflatten(list(cache_metadata.items()))
     for pos, kind in scalars[1:]:
@@ -45,5 +48,8 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False) -> Any:
         cls = _CLASSES.get(cls_name) or getattr(_mlx_cache, cls_name, None)
         if cls is None:
             raise ValueError(f"{file_name}: unknown cache class {cls_name!r}")
-        cache.append(cls.from_state(state))
+        if cls is CompressedKVCache:
+            cache.append(cls.from_state(state, registry=registry))
+        else:
+            cache.append(cls.from_state(state))
     return (cache, metadata) if return_metadata else cache

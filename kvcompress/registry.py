@@ -98,7 +98,8 @@ class Registry:
     # -- loading -------------------------------------------------------------------------------
 
     def _fail(self, name: str, dist: tuple[str, str], what: str, exc: BaseException):
-        msg = f"kvcompress plugin {name!r} from {dist[0]} {dist[1]} {what}: {exc!r}"
+        source = " ".join(x for x in dist if x)
+        msg = f"kvcompress plugin {name!r} from {source} {what}: {exc!r}"
         if self.strict:
             raise PluginError(msg + f" (unset {ENV_STRICT} to skip broken plugins)") from exc
         warnings.warn(msg + "; it was skipped", RuntimeWarning, stacklevel=4)

@@ -1,0 +1,371 @@
+"""Contracts a method must meet inside real mlx-lm generation, on a tiny random Llama.
+
+``check_method_runs`` drives :func:`mlx_lm.generate.generate_step` (chunked prefill, then greedy
+decode) with caches from :func:`kvcompress.make_prompt_cache` and checks:
+
+* **budget held** -- every ``update_and_fetch`` of ``S`` tokens leaves at most ``budget - 1 + S``
+  slots (exactly ``n + S`` while under budget), returns exactly the stored slots, and advances
+  ``offset`` by ``S``; after the final decode step at most ``budget`` are stored, exactly
+  ``budget`` for selectors that evict exactly ``n_evict`` slots;
+* **positions** -- each row stores distinct positions below ``offset``, including the newest;
+* **protected kept** -- every position the selector protects at the end (sinks, recent window)
+  is still stored; in particular the first ``n_sink`` tokens;
+* **real queries** -- scores came from the model's queries (``score_source == "queries"``),
+  float32 and finite; ``nbytes`` covers at least the arrays of ``state``;
+* **exact without eviction** -- with a budget >= the sequence length, the same tokens and
+  log-probabilities (to ``atol``) as mlx-lm's ``KVCache``;
+* **deterministic** -- a second run gives identical tokens, log-probabilities and cache state;
+* **float16** -- a float16 model gives no NaN in log-probabilities, stored keys/values or scores;
+* **save/load** -- :func:`kvcompress.save_prompt_cache` / :func:`kvcompress.load_prompt_cache`
+  restore every layer's state exactly, and decoding continues with the same logits;
+* **config round trip** -- the resolved config, through JSON, builds the same components.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Optional
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ..cache import CompressedKVCache
+from ..components import KINDS
+from ..errors import ConfigError
+from ..factory import make_prompt_cache
+from ..method import Method, build_method
+from ..persistence import load_prompt_cache, save_prompt_cache
+from . import ContractReport, ensure, fail
+
+__all__ = ["tiny_llama", "check_method_runs", "RunSettings"]
+
+_REFERENCE: dict = {}
+
+
+def tiny_llama(n_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 97,
+               seed: int = 0, dtype=mx.float32):
+    """A random-weight mlx-lm Llama (GQA, head_dim = hidden / heads), built in memory.
+
+    Seeds MLX's global generator with ``seed`` so the same arguments give the same weights.
+    """
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=n_layers,
+        intermediate_size=2 * hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@attrs.frozen
+class RunSettings:
+    """Sizes of a contract run; ``budget=None`` picks the smallest workable budget."""
+
+    budget: Optional[int] = None
+    decode: int = 8
+    atol: float = 1e-6
+    seed: int = 0
+    vocab: int = 97
+
+
+def _compressed(caches) -> list:
+    return [c for c in caches if isinstance(c, CompressedKVCache)]
+
+
+class _StepLog:
+    """Wraps each cache's ``update_and_fetch`` to check the per-step budget rule as it happens."""
+
+    def __init__(self, caches, subject: str):
+        self.subject = subject
+        self.errors: list[str] = []
+        for c in caches:
+            orig = c.update_and_fetch
+
+            def wrapped(keys, values, _c=c, _orig=orig):
+                n0, off0, S = _c.size(), _c.offset, keys.shape[2]
+                k, v = _orig(keys, values)
+                n1, b = _c.size(), _c.budget
+                bound = n0 + S if n0 + S <= b else b - 1 + S
+                if not self.errors:
+                    if n1 > bound:
+                        self.errors.append(f"layer {_c.layer}: a {S}-token step left {n1} slots; at most "
+                                           f"{bound} allowed (budget {b}, {n0} stored before)")
+                    elif n0 + S <= b and n1 != n0 + S:
+                        self.errors.append(f"layer {_c.layer}: under budget but {n0} + {S} stored became {n1}")
+                    elif k.shape[2] != n1 or v.shape[2] != n1:
+                        self.errors.append(f"layer {_c.layer}: returned {k.shape[2]} keys for {n1} stored slots")
+                    elif _c.offset != off0 + S:
+                        self.errors.append(f"layer {_c.layer}: offset {off0} + {S} became {_c.offset}")
+                return k, v
+
+            c.update_and_fetch = wrapped
+
+    def check(self):
+        ensure(not self.errors, self.subject, "budget held", "; ".join(self.errors))
+
+
+def _unpin_budget(config):
+    """``config`` without ``budget`` in its component tables, so the flat ``budget`` the
+    contract runs choose reaches the budget component (component tables win over flat params)."""
+    from ..config import ComponentConfig, MethodConfig
+
+    if isinstance(config, dict):
+        config = MethodConfig.from_dict(config)
+    if not isinstance(config, MethodConfig):
+        return config
+    changes = {}
+    for kind in KINDS:
+        c = config.component(kind)
+        if c is not None and "budget" in c.params:
+            changes[kind] = ComponentConfig(c.name, {k: v for k, v in c.params.items() if k != "budget"})
+    return attrs.evolve(config, **changes) if changes else config
+
+
+def _generate(model, prompt, caches, step: int, n: int):
+    from mlx_lm.generate import generate_step
+
+    toks, lps = [], []
+    for t, lp in generate_step(prompt, model, prompt_cache=caches, prefill_step_size=step, max_tokens=n):
+        toks.append(int(t))
+        lps.append(lp)
+    mx.eval(lps)
+    return toks, lps
+
+
+def _state_arrays(c) -> list:
+    return [a for a in c.state if isinstance(a, mx.array)]
+
+
+def _states_equal(a, b) -> bool:
+    sa, sb = _state_arrays(a), _state_arrays(b)
+    return len(sa) == len(sb) and all(
+        x.shape == y.shape and x.dtype == y.dtype and bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(sa, sb)
+    )
+
+
+def _meta(c) -> dict:
+    return json.loads(c.state[-1])
+
+
+def _positions_scores(c):
+    *_, pos, scores, _meta_json = c.state
+    return np.array(pos), scores
+
+
+class _Harness:
+    """Builds caches from the *unresolved* config, so a flat ``budget`` reaches the components
+    (a resolved config pins every component parameter, and component tables win over flat ones)."""
+
+    def __init__(self, config, method: Method, subject: str, settings: RunSettings, registry, params: dict):
+        self.config, self.method, self.subject, self.s = _unpin_budget(config), method, subject, settings
+        self.registry, self.params = registry, params
+
+    def caches(self, model, **extra):
+        return make_prompt_cache(model, self.config, registry=self.registry, **{**self.params, **extra})
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def pick_budget(self) -> tuple[dict, list]:
+        """Flat budget params and the layer budgets of the smallest budget >= 16 the method accepts
+        (the cache refuses a layer budget that leaves no slot to evict)."""
+        if self.s.budget is not None:
+            cands = [self.s.budget]
+        else:
+            cands = list(range(16, 1025, 4))
+        takes_budget = any("budget" in attrs.fields_dict(type(self.method.component(k))) for k in KINDS)
+        if not takes_budget:
+            cands = [None]
+        last = None
+        for b in cands:
+            extra = {} if b is None else {"budget": b}
+            try:
+                caches = _compressed(self.caches(tiny_llama(vocab=self.s.vocab), **extra))
+            except ConfigError as exc:
+                last = exc
+                continue
+            return extra, [c.budget for c in caches]
+        raise fail(self.subject, "budget", f"no budget in {cands[0]}..{cands[-1]} is accepted: {last}")
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def run(self, prompt, step, dtype=mx.float32, log=True, **extra):
+        model = tiny_llama(vocab=self.s.vocab, dtype=dtype)
+        caches = self.caches(model, **extra)
+        steplog = _StepLog(_compressed(caches), self.subject) if log else None
+        toks, lps = _generate(model, prompt, caches, step, self.s.decode)
+        if steplog is not None:
+            steplog.check()
+        return model, caches, toks, lps
+
+
+def check_method_runs(config, method: Method, report: ContractReport, settings: RunSettings, registry,
+                      params: dict) -> None:
+    """Run every generation contract; ``config`` is what ``method`` was built from (+ ``params``)."""
+    s = report.subject
+    h = _Harness(config, method, s, settings, registry, params)
+    extra, layer_budgets = h.pick_budget()
+    b_max = max(layer_budgets)
+    n_prompt = max(2 * b_max, b_max + 70)
+    step = b_max // 2 + 1  # chunked prefill: evictions happen between multi-token steps
+    rng = np.random.default_rng(settings.seed)
+    prompt = mx.array(rng.integers(1, settings.vocab, n_prompt), dtype=mx.int32)
+    report.details.update(budget=extra.get("budget"), layer_budgets=layer_budgets, prompt=n_prompt,
+                          prefill_step=step, decode=settings.decode)
+
+    # 1. a compressed run: per-step budget rule (checked inside), final layout
+    model, caches, toks, lps = h.run(prompt, step, **extra)
+    report.ok("budget held")
+    comp = _compressed(caches)
+    ensure(comp, s, "budget held", "make_prompt_cache made no CompressedKVCache layer")
+    ensure(any(c.evictions for c in comp), s, "budget held",
+           f"nothing was evicted from {n_prompt + settings.decode} tokens with budgets {layer_budgets}")
+    for c in comp:
+        ensure(c.size() <= c.budget, s, "budget held",
+               f"layer {c.layer} stores {c.size()} slots after a decode step; budget {c.budget}")
+        if getattr(c.method.selector, "evict_count", None) is None:
+            ensure(c.size() == min(c.budget, c.offset), s, "budget held",
+                   f"layer {c.layer} stores {c.size()} slots after a decode step, expected "
+                   f"min(budget {c.budget}, offset {c.offset}) (the selector evicts exactly n_evict)")
+        pos, scores = _positions_scores(c)
+        for row in pos.reshape(-1, pos.shape[-1]):
+            ensure(len(set(row.tolist())) == row.size and row.max() < c.offset and c.offset - 1 in row, s,
+                   "positions", f"layer {c.layer}: stored positions must be distinct, < offset {c.offset} "
+                   f"and include the newest token; got {sorted(row.tolist())}")
+        sel = c.method.selector
+        seen = mx.broadcast_to(mx.arange(c.offset, dtype=mx.int32), pos.shape[:2] + (c.offset,))
+        must = np.array(sel.protected(seen, c.offset, c.budget))
+        for bh in np.ndindex(*pos.shape[:2]):
+            missing = sorted(set(np.flatnonzero(must[bh]).tolist()) - set(pos[bh].tolist()))
+            ensure(not missing, s, "protected kept",
+                   f"layer {c.layer} head {bh[1]}: protected positions {missing[:10]} were evicted")
+        ensure(scores.dtype == mx.float32 and bool(mx.all(mx.isfinite(scores))), s, "float32 scores",
+               f"layer {c.layer}: scores are {scores.dtype} with NaN/inf: {scores}")
+        ensure(c.score_source == "queries", s, "real queries",
+               f"layer {c.layer}: score_source is {c.score_source!r}; the attention wrapper did not see queries")
+        held = sum(a.nbytes for a in _state_arrays(c))
+        ensure(c.nbytes >= held > 0, s, "honest nbytes", f"layer {c.layer}: nbytes {c.nbytes} < state {held}")
+    n_sink = getattr(comp[0].method.selector, "n_sink", 0)
+    for c in ("positions", "protected kept", "float32 scores", "real queries", "honest nbytes"):
+        report.ok(c)
+    if n_sink:
+        for c in comp:
+            pos = _positions_scores(c)[0]
+            kept = all(set(range(n_sink)) <= set(row.tolist()) for row in pos.reshape(-1, pos.shape[-1]))
+            ensure(kept, s, "sinks kept", f"layer {c.layer}: the first {n_sink} positions (the selector's "
+                   f"n_sink) are not all stored after {c.offset} tokens")
+        report.ok(f"sinks kept (n_sink={n_sink})")
+    else:
+        report.skip("sinks kept", "the selector protects no sinks (n_sink = 0)")
+
+    # 2. determinism
+    _, caches2, toks2, lps2 = h.run(prompt, step, log=False, **extra)
+    ensure(toks2 == toks and all(bool(mx.array_equal(a, b)) for a, b in zip(lps, lps2)), s, "deterministic",
+           "a second identical run produced different tokens or log-probabilities")
+    ensure(all(_states_equal(a, b) for a, b in zip(_compressed(caches), _compressed(caches2))), s,
+           "deterministic", "a second identical run left a different cache state")
+    report.ok("deterministic")
+
+    # 3. save / load / continue
+    _check_save_load(model, caches, report, settings)
+
+    # 4. float16
+    _, caches16, _, lps16 = h.run(prompt, step, dtype=mx.float16, **extra)
+    ensure(not any(bool(mx.any(mx.isnan(lp))) for lp in lps16), s, "float16",
+           "a float16 model produced NaN log-probabilities")
+    for c in _compressed(caches16):
+        k, v = c.keys_and_values()
+        ensure(k.dtype == mx.float16 and not bool(mx.any(mx.isnan(k))) and not bool(mx.any(mx.isnan(v))), s,
+               "float16", f"layer {c.layer}: stored keys/values are {k.dtype} or contain NaN")
+        ensure(bool(mx.all(mx.isfinite(_positions_scores(c)[1]))), s, "float16",
+               f"layer {c.layer}: scores contain NaN/inf in float16")
+    report.ok("float16")
+
+    # 5. no eviction -> exactly KVCache
+    _check_exact(h, prompt, step, report, settings)
+
+    # 6. config round trip
+    cfg = json.loads(json.dumps(method.config.to_dict()))
+    again = build_method(cfg, registry=registry)
+    for kind in KINDS:
+        ensure(again.component(kind) == method.component(kind), s, "config round trip",
+               f"{kind} rebuilt from {cfg} is {again.component(kind)!r}, not {method.component(kind)!r}")
+    report.ok("config round trip")
+
+
+def _check_save_load(model, caches, report, settings) -> None:
+    s = report.subject
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cache.safetensors")
+        save_prompt_cache(path, caches)
+        loaded = load_prompt_cache(path)
+    ensure(len(loaded) == len(caches), s, "save/load", f"{len(caches)} layers saved, {len(loaded)} loaded")
+    for a, b in zip(caches, loaded):
+        ensure(type(a) is type(b), s, "save/load", f"{type(a).__name__} came back as {type(b).__name__}")
+        if isinstance(a, CompressedKVCache):
+            ensure(_states_equal(a, b) and _meta(a) == _meta(b) and a.budget == b.budget, s, "save/load",
+                   f"layer {a.layer}: the loaded state differs from the saved one")
+    rng = np.random.default_rng(settings.seed + 1)
+    for i, tok in enumerate(rng.integers(1, settings.vocab, 3)):
+        x = mx.array([[int(tok)]], dtype=mx.int32)
+        la, lb = model(x, cache=caches), model(x, cache=loaded)
+        diff = float(mx.abs(la - lb).max())
+        ensure(diff <= settings.atol, s, "save/load",
+               f"decode step {i} after loading: logits differ by {diff:.3g} from the original cache")
+    for a, b in zip(_compressed(caches), _compressed(loaded)):
+        ensure(_states_equal(a, b), s, "save/load", f"layer {a.layer}: states diverge after decoding on")
+    report.ok("save/load")
+
+
+def _check_exact(h: _Harness, prompt, step, report, settings) -> None:
+    s = report.subject
+    seen = len(prompt) + settings.decode
+    key = (settings.vocab, tuple(prompt.tolist()), step, settings.decode)
+    if key not in _REFERENCE:
+        from mlx_lm.models.cache import KVCache
+
+        model = tiny_llama(vocab=settings.vocab)
+        _REFERENCE[key] = _generate(model, prompt, [KVCache() for _ in model.layers], step, settings.decode)
+    ref_toks, ref_lps = _REFERENCE[key]
+    takes_budget = any("budget" in attrs.fields_dict(type(h.method.component(k))) for k in KINDS)
+    if not takes_budget:
+        report.skip("exact without eviction", "no component has a 'budget' parameter to raise")
+        return
+    roomy = seen + 1
+    for _ in range(12):
+        try:
+            _, caches, toks, lps = h.run(prompt, step, budget=roomy)
+        except ConfigError:
+            roomy *= 2
+            continue
+        if all(c.evictions == 0 for c in _compressed(caches)):
+            break
+        roomy *= 2
+    else:
+        raise fail(s, "exact without eviction", f"no budget up to {roomy} avoided eviction of {seen} tokens")
+    ensure(toks == ref_toks, s, "exact without eviction",
+           f"with budget {roomy} >= {seen} tokens the greedy tokens differ from KVCache's")
+    worst = max(float(mx.abs(a - b).max()) for a, b in zip(lps, ref_lps))
+    ensure(worst <= settings.atol, s, "exact without eviction",
+           f"with budget {roomy} >= {seen} tokens log-probabilities differ from KVCache's by {worst:.3g}")
+    report.ok("exact without eviction")
+    report.details["exact_max_diff"] = worst
+
+
+def method_subject(method: Any) -> str:
+    """``method 'cam'`` or, for a config, ``method {'scorer': ..., ...}``."""
+    from ..config import MethodConfig
+
+    if isinstance(method, str):
+        return f"method {method!r}"
+    if isinstance(method, MethodConfig):
+        return f"method {method.to_dict()}"
+    return f"method {getattr(method, 'name', method)!r}"
