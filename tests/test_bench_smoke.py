@@ -1,0 +1,285 @@
+"""Smoke tests of the benchmark library at tiny sizes (seconds): the harnesses run end to end,
+cover every registered method and budget, and produce sane, reproducible numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import kvcompress
+from kvcompress import MethodSpec, Registry, hookimpl
+from kvcompress.bench import _report
+from kvcompress.bench import speed as speed_mod
+from kvcompress.bench import synthetic as syn
+
+TINY_SYN = dict(
+    seq_lens=(96,),
+    budgets=(24, 128),  # 128 >= seq_len: nothing is ever evicted
+    n_decode=24,
+    n_probe=8,
+    n_clusters=4,
+    batch=2,  # the harness and caches are vectorised over batch
+    scenarios=("structured", "iid"),
+)
+
+
+class _ToyPlugin:
+    """An in-process plugin adding a method, to check the sweep picks up new methods."""
+
+    @hookimpl
+    def kvcompress_methods(self):
+        return [
+            MethodSpec(
+                name="toy_recent", scorer="h2o", selector="lowest", disposition="drop",
+                budget="uniform", summary="test method", params={"recent_ratio": 0.5},
+            )
+        ]
+
+
+@pytest.fixture(scope="module")
+def toy_registry():
+    return Registry(plugins=[("toy_recent_plugin", _ToyPlugin())])
+
+
+@pytest.fixture(scope="module")
+def syn_payload(toy_registry):
+    with warnings.catch_warnings():
+        # methods that cannot run model-free warn; their records carry the error (tested below)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return syn.run_synthetic(syn.SyntheticSettings(**TINY_SYN), registry=toy_registry)
+
+
+CORE = ("h2o", "cam", "toy_recent", "full", "rotating")
+
+
+def test_synthetic_covers_every_method_budget_and_scenario(syn_payload, toy_registry):
+    # every registered method has a record for every (scenario, budget): a number, or the
+    # reason it cannot run model-free / at that budget
+    got = {(r["scenario"], r["budget"], r["method"]) for r in syn_payload["results"]}
+    for scenario in TINY_SYN["scenarios"]:
+        for budget in TINY_SYN["budgets"]:
+            for name in [*toy_registry.methods, "full", "rotating"]:
+                assert (scenario, budget, name) in got, (scenario, budget, name)
+    for r in syn_payload["results"]:
+        assert ("perturbation" in r) != ("error" in r), r
+        if r["method"] in CORE:
+            assert "error" not in r, r
+    res = [r for r in syn_payload["results"] if "error" not in r]
+    # CaM's merge modes x gate are all swept
+    cam = {r["label"] for r in res if r["method"] == "cam"}
+    assert cam == {f"cam:{m}{g}" for m in ("sw", "mean", "drop") for g in ("+g", "-g")}
+    assert set(syn_payload["methods"]) == set(toy_registry.methods)
+
+
+def test_synthetic_values_are_sane(syn_payload):
+    res = [r for r in syn_payload["results"] if "error" not in r]
+    for r in res:
+        assert math.isfinite(r["perturbation"]) and 0.0 <= r["perturbation"] <= 2.0, r
+        if r["method"] == "full":
+            assert r["perturbation"] == pytest.approx(0.0, abs=1e-6)
+        if r["kind"] == "method":
+            assert r["score_source"] == "queries", r  # the real scoring path ran
+            assert r["tokens_kept"] <= r["cache_budget"]
+    # without eviction, dropping/merging methods reproduce the full cache
+    for r in res:
+        if r["budget"] >= r["seq_len"] and r["method"] in CORE:
+            assert r["perturbation"] < 1e-4, r
+            assert r.get("evictions", 0) == 0
+    # with eviction the compressed caches really lose information
+    for r in res:
+        if r["budget"] < r["seq_len"] and r["method"] in ("h2o", "rotating"):
+            assert r["perturbation"] > 1e-3, r
+
+
+def test_synthetic_cam_drop_equals_h2o(syn_payload):
+    by = {(r["scenario"], r["budget"], r["label"]): r.get("perturbation") for r in syn_payload["results"]}
+    for (scenario, budget, label), p in by.items():
+        if label in ("cam:drop+g", "cam:drop-g"):
+            assert p is not None and p == by[(scenario, budget, "h2o")]
+
+
+def test_structured_data_has_peaked_attention_and_is_seeded():
+    s = syn.SyntheticSettings(**TINY_SYN)
+    a = syn.make_data(s, 96, seed=3)
+    b = syn.make_data(s, 96, seed=3)
+    c = syn.make_data(s, 96, seed=4)
+    assert np.array_equal(np.array(a.keys), np.array(b.keys))
+    assert np.array_equal(np.array(a.probes), np.array(b.probes))
+    assert not np.array_equal(np.array(a.keys), np.array(c.keys))
+    iid = syn.make_data(s, 96, seed=3, scenario="iid")
+    peaked, diffuse = syn.probe_stats(a), syn.probe_stats(iid)
+    # "some tokens matter": structured probes concentrate on far fewer tokens than i.i.d. ones
+    assert peaked["effective_support"] < 0.5 * diffuse["effective_support"]
+    assert peaked["top1_weight"] > 2 * diffuse["top1_weight"]
+
+
+def test_synthetic_outputs_json_table_and_plot(syn_payload, tmp_path):
+    path = _report.write_json(tmp_path / "synthetic.json", syn_payload)
+    data = json.loads(path.read_text())
+    for key in ("platform", "cpu_count", "mlx", "ld_preload", "openblas_preloaded", "date_utc"):
+        assert key in data["machine"]
+    assert data["settings"]["budgets"] == list(TINY_SYN["budgets"])
+    cols, rows = syn.results_table(syn_payload)
+    assert len(rows) == len(TINY_SYN["scenarios"]) * len(TINY_SYN["budgets"])
+    text = _report.print_table("t", cols, rows, plain=True)
+    assert "cam:sw+g" in text and "h2o" in text
+    pytest.importorskip("matplotlib")
+    png = syn.plot_synthetic(syn_payload, tmp_path / "synthetic.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_write_json_requires_metadata(tmp_path):
+    with pytest.raises(ValueError, match="machine"):
+        _report.write_json(tmp_path / "x.json", {"settings": {}})
+
+
+# ------------------------------------------------------------------------------------------------
+# speed
+# ------------------------------------------------------------------------------------------------
+
+TINY_SPEED = dict(
+    context=160, budget=64, decode_tokens=4, decode_block=2, rounds=2, prefill_step_size=64, n_layers=2,
+    hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=256, vocab=256,
+    profile_steps=3, dtype_probe=False,
+)
+
+
+@pytest.fixture(scope="module")
+def speed_payload():
+    return speed_mod.run_speed(speed_mod.SpeedSettings(**TINY_SPEED))
+
+
+def test_speed_covers_methods_and_baselines_with_finite_ratios(speed_payload):
+    s = speed_mod.SpeedSettings(**TINY_SPEED)
+    summ = speed_payload["summary"]
+    assert set(summ) == {"h2o", "cam", "rotating", "full"}
+    for kind, rec in summ.items():
+        assert len(rec["decode_tok_s"]) == s.rounds
+        assert len(rec.get("decode_ratio_by_block", [])) in (0, s.rounds * s.decode_tokens // s.decode_block)
+        assert rec["prefill_s_median"] > 0 and math.isfinite(rec["prefill_s_median"])
+        assert rec["decode_tok_s_median"] > 0 and math.isfinite(rec["decode_tok_s_median"])
+        if kind != "rotating":
+            for key in ("decode_ratio", "prefill_ratio", "decode_ratio_cpu", "prefill_ratio_cpu"):
+                assert rec[key] > 0 and math.isfinite(rec[key]), (kind, key)
+    for m in ("h2o", "cam"):
+        assert summ[m]["decode_target_met"] == (summ[m]["decode_ratio"] >= 0.9)
+        assert summ[m]["prefill_target_met"] == (summ[m]["prefill_ratio"] <= 1.3)
+    # round-robin order: each round starts with a different kind
+    starts = [r["order"][0] for r in speed_payload["rounds"]]
+    assert len(set(starts)) == len(starts)
+    # the bounded caches really are bounded; the full one holds everything
+    r0 = speed_payload["rounds"][0]["by_kind"]
+    for kind in ("h2o", "cam", "rotating"):
+        assert r0[kind]["stored_tokens"] <= s.budget
+    # generate_step runs one step ahead of what it yields: the prompt, the first token and
+    # decode_tokens more fed back
+    assert r0["full"]["stored_tokens"] == s.context + s.decode_tokens + 1
+    # decode was timed block by block for every kind
+    for kind in summ:
+        assert len(r0[kind]["decode_s_per_token"]) == s.decode_tokens // s.decode_block
+
+
+def test_speed_profile_counts_cache_ops(speed_payload):
+    prof = speed_payload["profile"]
+    ops = prof["ops_per_layer_step"]
+    assert ops["rotating"]["update_and_fetch"] >= 1
+    for m in ("h2o", "cam"):
+        assert ops[m]["update_and_fetch"] + ops[m]["observe"] > ops["rotating"]["update_and_fetch"]
+        assert ops[m]["decoder_layer_total"] > ops[m]["update_and_fetch"]
+        assert "Softmax" in ops[m]["observe_by_op"]  # scoring recomputes attention weights
+        for v in prof["component_ms"][m].values():
+            assert v > 0 and math.isfinite(v)
+    for var in ("rotating", "h2o", "h2o[no_evict]", "h2o[no_evict,no_score]", "cam", "cam[no_evict]"):
+        assert prof["model_step_ms"][var]["step_ms_median"] > 0
+        assert prof["layer_step_ms"][var]["ms"] > 0
+    for var in ("rotating", "h2o", "h2o[no_score]", "cam", "cam[no_score]"):
+        assert prof["layer_prefill_chunk_ms"][var]["ms"] > 0
+    assert {"sdpa", "attention_mass"} <= set(prof["prefill_component_ms"])
+    cols, rows = speed_mod.profile_table(speed_payload)
+    assert len(rows) == len(prof["model_step_ms"])
+
+
+def test_speed_json_and_tables(speed_payload, tmp_path):
+    data = json.loads(_report.write_json(tmp_path / "speed.json", speed_payload).read_text())
+    assert data["settings"]["context"] == TINY_SPEED["context"]
+    assert data["machine"]["openblas_preloaded"] in (True, False)
+    cols, rows = speed_mod.summary_table(speed_payload)
+    assert [r[0] for r in rows] == ["h2o", "cam", "rotating", "full"]
+    pytest.importorskip("matplotlib")
+    assert speed_mod.plot_speed(speed_payload, tmp_path / "speed.png").stat().st_size > 10_000
+
+
+def test_count_ops_counts_primitives():
+    import mlx.core as mx
+
+    a = mx.ones((4, 4))
+    mx.eval(a)
+    out = speed_mod.count_ops((a @ a + 1).sum())
+    assert out["by_op"].get("Matmul") == 1
+    assert out["n_ops"] == sum(out["by_op"].values()) >= 3
+
+
+def test_dtype_probe_reports_each_dtype():
+    s = speed_mod.SpeedSettings(**TINY_SPEED)
+    probe = speed_mod.dtype_probe(s, prefill_tokens=8, decode_steps=4)
+    assert set(probe) == {"float32", "bfloat16", "float16"}
+    for rec in probe.values():
+        assert rec["prefill_s"] > 0 and rec["decode_step_s"] > 0
+
+
+def test_interleave_rotates_order_and_times_every_stepper():
+    calls = []
+    steppers = {n: (lambda n=n: calls.append(n)) for n in "abc"}
+    out = speed_mod.interleave(steppers, n_blocks=3, k=2)
+    assert {n: len(v) for n, v in out.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(t >= 0 for v in out.values() for t in v)
+    # blocks of k calls, the starting stepper rotated each block
+    assert calls[::2] == list("abc") + list("bca") + list("cab")
+
+
+def test_speed_settings_validation():
+    with pytest.raises(ValueError, match="decode_block"):
+        speed_mod.SpeedSettings(decode_block=1)
+    with pytest.raises(ValueError, match="rotating"):
+        speed_mod.SpeedSettings(baselines=("full",))
+    with pytest.raises(ValueError, match="context"):
+        speed_mod.SpeedSettings(context=64, budget=64)
+    assert kvcompress.CompressedKVCache  # the library under test is importable alongside
+
+
+@pytest.mark.parametrize(
+    "workload, argv, outputs",
+    [
+        ("synthetic", ["--quick", "--seq-lens", "64", "--budgets", "16", "--methods", "h2o", "cam",
+                       "--scenarios", "structured", "--plain"], ["synthetic.json", "synthetic.png"]),
+        ("speed", ["--quick", "--rounds", "1", "--context", "96", "--budget", "32",
+                   "--prefill-step-size", "32", "--no-profile", "--plain", "--out-name", "s"],
+         ["s.json", "s.png"]),
+    ],
+)
+def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
+    """``kvcompress bench <workload>`` (and the benchmarks/ scripts, which share add_arguments and
+    run) parse their options and write the JSON (+ PNG) where --out says."""
+    import argparse
+
+    pytest.importorskip("matplotlib")
+    mod = {"synthetic": syn, "speed": speed_mod}[workload]
+    ap = argparse.ArgumentParser()
+    mod.add_arguments(ap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        payload = mod.run(ap.parse_args([*argv, "--out", str(tmp_path)]))
+    for name in outputs:
+        assert (tmp_path / name).stat().st_size > 0
+    data = json.loads((tmp_path / outputs[0]).read_text())
+    assert data["benchmark"] == payload["benchmark"]
+    if workload == "synthetic":
+        assert {r["method"] for r in data["results"]} == {"h2o", "cam", "full", "rotating"}
+        assert data["settings"]["seq_lens"] == [64]
+    else:
+        assert data["settings"]["context"] == 96 and set(data["summary"]) == {"h2o", "cam", "rotating", "full"}
+    assert "rotating" in capsys.readouterr().out
