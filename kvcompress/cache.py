@@ -364,7 +364,7 @@ class CompressedKVCache(_BaseCache):
         ).astype(mx.int32)
         ev = Eviction(
             k, v, self._score, self._pos, evict, protected, self.layer, self._rounds,
-            self.disposition_state, self.shared,
+            self.disposition_state, self.shared, self.offset,
         )
         k, v, scores, merged = self.method.disposition.dispose(ev)
         self._rounds += 1

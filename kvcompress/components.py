@@ -202,6 +202,8 @@ class Eviction:
     draw_id: int
     state: Any = None
     shared: dict = attrs.field(factory=dict, repr=False)
+    #: tokens seen before this step: a slot at position p has been attended by offset - p queries
+    offset: int = 0
 
 
 @attrs.frozen

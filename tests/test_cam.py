@@ -685,3 +685,26 @@ def test_gate_draws_do_not_depend_on_the_batch():
     assert not mx.array_equal(batch[1:2], alone).item()
     u = np.array(gate_uniforms((64, 32, 16), 0, 0, 0)).ravel()
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01
+
+
+def test_sim_weighted_blend_weights_by_attention_prominence():
+    """w = max(cos, 0) * a_l / (a_l + a_t), a = mass per query since arrival (offset - pos)."""
+    k = np.zeros((1, 1, 4, 4), np.float32)
+    k[0, 0, 0, 0] = k[0, 0, 2, 0] = k[0, 0, 3, 0] = 1.0  # sink, target and loser share a direction
+    k[0, 0, 1, 1] = 1.0  # slot 1 is orthogonal to the loser: never the target
+    keys = mx.array(k)
+    values = mx.array(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4))
+    pos = mx.array([[[0, 10, 30, 38]]], dtype=mx.int32)
+    evict = mx.array([[[3]]], dtype=mx.int32)
+    gm = GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1, transfer_mass=False)
+    assert int(np.array(gm.nearest_target(keys, pos, evict)[0])[0, 0, 0]) == 2
+    offset, s_t = 40, 5.0  # target age 10, loser age 2
+    for s_l in (0.0, 0.1, 1.0, 10.0):
+        scores = mx.array([[[9.0, 0.0, s_t, s_l]]])
+        ev = kvcompress.Eviction(keys, values, scores, pos, evict, pos < 1, 0, 0, offset=offset)
+        v = np.array(gm.dispose(ev)[1])[0, 0]
+        vt, vl = np.array(values)[0, 0, 2], np.array(values)[0, 0, 3]
+        w = float((v[2] - vt)[0] / (vl - vt)[0])
+        a_l, a_t = s_l / 2, s_t / 10
+        assert w == pytest.approx(a_l / (a_l + a_t), abs=1e-5)
+    # the more attention the loser drew per query, the more of it the target absorbs

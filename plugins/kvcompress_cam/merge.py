@@ -7,10 +7,12 @@ For each evicted slot ``l`` (per batch, KV head):
   of the target window (``target="window"``). Draws are seeded by ``(seed, layer, draw id)``.
 * **target**: ``"nearest"`` -- the non-sink survivor whose key is most cosine-similar to ``k_l``;
   ``"window"`` -- the paper's rule, the next ``merge_window`` (m) kept tokens after ``l``.
-* **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with ``w = max(cos(k_l, k_t), 0) / 2``
-  (``sim_weighted``: a loser whose key duplicates the target's is averaged in, a dissimilar one
-  barely perturbs it; the target never ends up closer to the loser than to itself) or
-  ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the m targets (the
+* **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with
+  ``w = max(cos(k_l, k_t), 0) * a_l / (a_l + a_t)`` (``sim_weighted``), where
+  ``a_j = A_j / (offset - pos_j)`` is slot j's attention mass per query since it arrived: the
+  paper's attention-prominence weighting (an importance-weighted average of the two values)
+  scaled by key similarity, so a dissimilar loser barely perturbs its target and a duplicate of
+  equal importance is averaged in; or ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the m targets (the
   paper's additive rule). Values always; keys only with ``merge_keys``.
 * **mass** (``transfer_mass``): a merged loser's score moves to its target(s) (split evenly over
   a window), as the design note does; off, the target keeps its own score.
@@ -126,6 +128,17 @@ class GatedMerge:
         best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
         return target, best, best > -mx.inf
 
+    @staticmethod
+    def prominence_share(ev, s_l, s_t, target):
+        """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
+        off = mx.array(max(ev.offset, 1), mx.float32)
+        p_l = mx.take_along_axis(ev.positions, ev.evict, axis=-1).astype(mx.float32)
+        p_t = mx.take_along_axis(ev.positions, target, axis=-1).astype(mx.float32)
+        a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
+        a_t = mx.maximum(s_t, 0.0) / mx.maximum(off - p_t, 1.0)
+        total = a_l + a_t
+        return mx.where(total > 0, a_l / mx.where(total > 0, total, 1.0), 0.5)
+
     def _merge_nearest(self, ev):
         target, cos, has = self.nearest_target(ev.keys, ev.positions, ev.evict)
         s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
@@ -134,8 +147,8 @@ class GatedMerge:
         if self.merge_gate:
             do = do & bernoulli_gate(gate_probability(s_l, s_t), self.seed, ev.layer, ev.draw_id)
         if self.merge == "sim_weighted":
-            do = do & (cos > 0)  # w = 0: nothing would move, so it is not counted as a merge
-            w = 0.5 * mx.maximum(cos, 0.0)
+            w = mx.maximum(cos, 0.0) * self.prominence_share(ev, s_l, s_t, target)
+            do = do & (w > 0)  # w = 0: nothing would move, so it is not counted as a merge
         else:
             w = mx.full(cos.shape, 0.5)
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
