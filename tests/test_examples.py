@@ -155,6 +155,31 @@ def test_cli_generate_reports_speed_memory_and_cache_bytes(stories_path):
     assert re.search(r"^KV cache: [\d.]+ MB held vs [\d.]+ MB for a full cache \([\d.]+x smaller\)$", out, re.M), out
 
 
+def test_cli_generate_saves_and_continues_a_compressed_cache(stories_path, tmp_path):
+    """--save-prompt-cache writes the compressed cache; --prompt-cache-file continues from it."""
+    saved = tmp_path / "cache.safetensors"
+    first = subprocess.run(
+        [*_kvcompress(), "generate", "--model", str(stories_path), "--max-tokens", "40", "--method", "h2o",
+         "--budget", "24", "--save-prompt-cache", str(saved)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert saved.exists()
+    import kvcompress
+
+    cache = kvcompress.load_prompt_cache(str(saved))
+    offset = cache[0].offset
+    assert offset > 24 and cache[0].size() == 24 and cache[0].method.name == "h2o"
+    second = subprocess.run(
+        [*_kvcompress(), "generate", "--model", str(stories_path), "--max-tokens", "10",
+         "--prompt-cache-file", str(saved), "--prompt", " The end.", "--ignore-chat-template", "--verbose"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    offsets = [int(m) for m in re.findall(r"'offset': (\d+)", second.stdout)]
+    assert offsets and all(o > offset for o in offsets), second.stdout
+
+
 def test_cli_doctor_runs_and_lists_plugins():
     proc = subprocess.run([*_kvcompress(), "doctor"], capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "KVCOMPRESS_STRICT_PLUGINS": ""})
