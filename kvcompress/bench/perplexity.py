@@ -1,0 +1,402 @@
+"""Streaming perplexity of a real model with a bounded KV cache (teacher-forced).
+
+Text preparation follows the recipe of the TinyStories validation file's README (the format
+the stories260K model was trained on): paragraphs (blank-line separated) are stripped and
+joined by a single ``"\\n"``, the whole string is encoded in **one** call (so the tokenizer's
+leading ``"▁"`` appears once), the tokens after BOS are cut into windows of ``window - 1``
+tokens and BOS is put in front of each window. Only full windows are used.
+
+For each window ``x_0 .. x_{W-1}`` and each cache (every registered method, mlx-lm's
+``RotatingKVCache`` and the full ``KVCache``) at each budget ``C``:
+
+1. prefill ``x_0 .. x_{P-1}`` in one step (``P = prefill``);
+2. decode teacher-forced: feed ``x_t`` for ``t = P .. W-2``, one token per step, with the cache
+   held at ``C`` tokens; the step's logits give ``-log p(x_{t+1} | cache)``.
+
+Only the ``W - 1 - P`` decoded predictions are scored (the prefill's own last prediction sees
+the full prompt for every cache, so it would only dilute differences).
+``nll = mean over scored tokens``, ``ppl = exp(nll)`` and ``gap = ppl - ppl_full`` on the same
+tokens. Windows are batched (``B = batch``) so each decode step is one model call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .retrieval import entries, live_kv_bytes
+
+__all__ = [
+    "DEFAULTS",
+    "default_model_path",
+    "default_text_path",
+    "prepare_windows",
+    "window_nll",
+    "run_perplexity",
+    "add_arguments",
+    "run",
+    "results_table",
+    "plot_perplexity",
+    "settings_from_args",
+]
+
+_REPO = Path(__file__).resolve().parents[2]
+BASELINES = ("full", "rotating")
+
+#: The committed run (docs/results/perplexity.json).
+DEFAULTS: dict[str, Any] = {
+    "model": None,  # None = $KVCOMPRESS_MODELS_DIR/stories260K or ../shared/models/stories260K
+    "text": None,  # None = $KVCOMPRESS_DATA_DIR/tinystories_valid/tinystories_val.txt or ../shared/...
+    "windows": 32,
+    "window": 512,
+    "prefill": 128,
+    "budgets": (64, 256),
+    "batch": 32,
+    "n_sink": 4,
+    "methods": None,
+    #: extra (method, params) variants, labelled "method:k=v", e.g. (("h2o", {"recent_ratio": 0.0}),)
+    "extra": (),
+    "seed": 0,
+    "out": "docs/results",
+}
+
+
+def _env_dir(var: str, default: Path) -> Path:
+    import os
+
+    return Path(os.environ[var]) if os.environ.get(var) else default
+
+
+def default_model_path() -> Path:
+    return _env_dir("KVCOMPRESS_MODELS_DIR", _REPO.parent / "shared" / "models") / "stories260K"
+
+
+def default_text_path() -> Path:
+    return (_env_dir("KVCOMPRESS_DATA_DIR", _REPO.parent / "shared" / "data")
+            / "tinystories_valid" / "tinystories_val.txt")
+
+
+def _resolve_model(model: Optional[str]) -> str:
+    if model:
+        return str(model)
+    p = default_model_path()
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model given and the default {p} is absent; pass --model PATH_OR_HF_ID or set "
+            "KVCOMPRESS_MODELS_DIR to a folder holding stories260K"
+        )
+    return str(p)
+
+
+def _resolve_text(text: Optional[str]) -> Path:
+    p = Path(text) if text else default_text_path()
+    if not p.exists():
+        hint = "" if text else " (the default); pass --text FILE or set KVCOMPRESS_DATA_DIR"
+        raise FileNotFoundError(f"evaluation text not found at {p}{hint}")
+    return p
+
+
+def prepare_windows(tokenizer, text: str, window: int = 512, n: Optional[int] = None) -> np.ndarray:
+    """``[n, window]`` int32 windows, each ``[BOS] + window - 1`` tokens of the one-call encoding."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    ids = list(tokenizer.encode("\n".join(paragraphs)))
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise ValueError("the tokenizer has no BOS token; this recipe needs one")
+    if ids and ids[0] == bos:
+        ids = ids[1:]
+    step = window - 1
+    count = len(ids) // step
+    if n is not None:
+        count = min(count, n)
+    if count == 0:
+        raise ValueError(f"text too short for one window of {window} tokens")
+    body = np.array(ids[: count * step], dtype=np.int32).reshape(count, step)
+    return np.concatenate([np.full((count, 1), bos, dtype=np.int32), body], axis=1)
+
+
+def _make_cache(model, kind: str, name: str, budget: int, n_sink: int, seed: int,
+                params: Optional[dict] = None, registry=None):
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache as mlx_cache
+
+    from kvcompress import make_prompt_cache
+
+    if kind == "method":
+        return make_prompt_cache(model, name, registry=registry, budget=budget, seed=seed, **(params or {}))
+    if name == "full":
+        return mlx_cache(model)
+    return [RotatingKVCache(max_size=budget, keep=n_sink) for _ in model.layers]
+
+
+def window_nll(model, windows: np.ndarray, cache, prefill: int) -> np.ndarray:
+    """``[B, W - 1 - prefill]`` float32 NLL of each decoded prediction (teacher-forced)."""
+    B, W = windows.shape
+    if not 0 < prefill < W - 1:
+        raise ValueError(f"prefill must be in [1, {W - 2}], got {prefill}")
+    x = mx.array(windows)
+    mx.eval(model(x[:, :prefill], cache=cache))
+    out = []
+    for t in range(prefill, W - 1):
+        logits = model(x[:, t : t + 1], cache=cache)[:, -1, :].astype(mx.float32)
+        lse = mx.logsumexp(logits, axis=-1)
+        tgt = mx.take_along_axis(logits, x[:, t + 1 : t + 2], axis=-1)[:, 0]
+        nll = lse - tgt
+        mx.async_eval(nll)
+        out.append(nll)
+    return np.array(mx.stack(out, axis=1))
+
+
+def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=None, registry=None,
+                   progress: bool = True) -> dict:
+    """The sweep; returns ``{"benchmark", "machine", "settings", "full", "results", ...}``.
+
+    ``full``: the full-cache ``nll``/``ppl``; each record of ``results`` (one per method and
+    budget) has ``nll``, ``ppl``, ``gap`` (ppl minus full ppl), ``nll_gap``, ``kept`` (mean
+    tokens stored per layer at the end of a window), ``kv_bytes_per_window`` and
+    ``bytes_ratio`` (full-cache bytes over this cache's live bytes at the end of a window:
+    quantizing methods keep every token, so their ratio is below ``window / budget``),
+    ``seconds``; or ``error``.
+    """
+    from kvcompress import get_registry
+
+    from ._report import machine_info
+
+    s = {**DEFAULTS, **(settings or {})}
+    reg = registry or get_registry()
+    if model is None:
+        import mlx_lm
+
+        model_path = _resolve_model(s["model"])
+        model, tokenizer = mlx_lm.load(model_path)
+        s["model"] = model_path
+    text_path = _resolve_text(s["text"])
+    s["text"] = str(text_path)
+    windows = prepare_windows(tokenizer, text_path.read_text(), s["window"], s["windows"])
+    s["windows"] = int(windows.shape[0])
+    batches = [windows[i : i + s["batch"]] for i in range(0, len(windows), s["batch"])]
+    t_start = time.perf_counter()
+
+    def measure(kind, name, params, budget):
+        nlls, cache = [], None
+        for wb in batches:
+            cache = _make_cache(model, kind, name, budget or 0, s["n_sink"], s["seed"], params, reg)
+            nlls.append(window_nll(model, wb, cache, s["prefill"]))
+        kept = float(np.mean([c.size() for c in cache]))
+        return np.concatenate(nlls, axis=0), kept, live_kv_bytes(cache) / len(batches[-1])
+
+    todo = [e for e in entries(s["methods"], reg, s["extra"]) if e[1] != "full"]
+    grid = [("baseline", "full", {}, "full", None)] + [(*e, b) for b in s["budgets"] for e in todo]
+    full_nll = None
+    results: list[dict] = []
+    for kind, name, params, label, budget in _progress(grid, progress):
+        t0 = time.perf_counter()
+        rec: dict[str, Any] = {"kind": kind, "method": name, "label": label, "params": params,
+                               "budget": budget, "ratio": None if budget is None else s["window"] / budget}
+        try:
+            nll, kept, nbytes = measure(kind, name, params, budget)
+        except Exception as exc:  # reported, not fatal
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"perplexity: {label} (C={budget}): {exc}", RuntimeWarning, stacklevel=2)
+            results.append(rec)
+            continue
+        m = float(nll.mean())
+        if name == "full":
+            full_nll, full_bytes = nll, nbytes
+        base = float(full_nll.mean())
+        rec.update(nll=m, ppl=math.exp(m), nll_gap=m - base, gap=math.exp(m) - math.exp(base),
+                   nll_by_window=[float(x) for x in nll.mean(axis=1)], kept=kept,
+                   kv_bytes_per_window=nbytes, bytes_ratio=full_bytes / nbytes if nbytes else None,
+                   seconds=round(time.perf_counter() - t0, 2))
+        results.append(rec)
+    full = results[0]
+    return {
+        "benchmark": "perplexity",
+        "machine": machine_info(),
+        "settings": {**s, "methods": sorted({r["method"] for r in results if r["kind"] == "method"}),
+                     "extra": [[n, dict(p)] for n, p in (s["extra"] or ())],
+                     "scored_tokens": int(windows.shape[0] * (s["window"] - 1 - s["prefill"]))},
+        "full": {k: full.get(k) for k in ("nll", "ppl", "error") if k in full},
+        "results": results,
+        "seconds_total": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="perplexity", unit="run", leave=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Presentation
+# --------------------------------------------------------------------------------------------
+
+
+def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
+    """One row per cache; ``ppl (gap)`` columns per budget."""
+    budgets = list(payload["settings"]["budgets"])
+    w = payload["settings"]["window"]
+    cols = ["method", *[f"C={b} ({w / b:g}x) ppl" for b in budgets], *[f"gap C={b}" for b in budgets],
+            f"bytes ratio C={min(budgets)}"]
+    by: dict[str, dict] = {}
+    for r in payload["results"]:
+        by.setdefault(r["label"], {})[r["budget"]] = r
+    rows = []
+    for m, rs in by.items():
+        if m == "full":
+            f = rs[None]
+            rows.append([m, *[f.get("ppl")] * len(budgets), *[0.0] * len(budgets), 1.0])
+            continue
+        rows.append([m, *[rs.get(b, {}).get("ppl", "error") for b in budgets],
+                     *[rs.get(b, {}).get("gap") for b in budgets],
+                     rs.get(min(budgets), {}).get("bytes_ratio")])
+    return cols, rows
+
+
+def caption(payload: dict) -> str:
+    from ._report import machine_summary, settings_summary
+
+    st = dict(payload["settings"])
+    st["model"] = Path(str(st["model"])).name
+    st["text"] = Path(str(st["text"])).name
+    keys = ("model", "text", "windows", "window", "prefill", "scored_tokens", "n_sink", "seed")
+    return ("Teacher-forced streaming perplexity of decoded tokens (lower is better). Settings: "
+            + settings_summary(st, keys) + ". Machine: " + machine_summary(payload["machine"]))
+
+
+def plot_perplexity(payload: dict, path) -> Path:
+    """Perplexity gap to the full cache vs budget, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ._report import save_figure
+
+    st = payload["settings"]
+    budgets = list(st["budgets"])
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(i) for i in range(20) if i not in (14, 15)]  # no greys: black = rotating
+    labels = [m for m in dict.fromkeys(r["label"] for r in payload["results"]) if m != "full"]
+    gaps = [0.0]
+    for k, lbl in enumerate(labels):
+        pts = sorted((r["budget"], r["gap"]) for r in payload["results"]
+                     if r["label"] == lbl and r.get("gap") is not None)
+        if pts:
+            xs, ys = zip(*pts)
+            gaps += ys
+            ax.plot(xs, ys, label=lbl, marker="osD^v<>pPX"[k % 10], markersize=4,
+                    color="black" if lbl == "rotating" else colors[k % len(colors)],
+                    linestyle="--" if lbl == "rotating" else ("-." if k >= len(colors) // 2 else "-"))
+    ax.axhline(0.0, color="black", linestyle=":", linewidth=1, label=f"full (ppl {payload['full'].get('ppl', float('nan')):.3f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([f"{b}\n({st['window'] / b:g}x)" for b in budgets])
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_ylim(min(-0.01, 2 * min(gaps)), 2 * max(gaps) + 0.01)
+    ax.set_xlabel(f"budget C (tokens per layer; window {st['window']})")
+    ax.set_ylabel("perplexity gap to full cache")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax.set_title(f"Streaming perplexity, {Path(str(st['model'])).name}: lower is better", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, caption(payload))
+    plt.close(fig)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+#: Tiny sizes for ``--quick`` (seconds).
+QUICK: dict[str, Any] = {"windows": 4, "batch": 4, "budgets": (64,)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the perplexity workload; omitted options take :data:`DEFAULTS`."""
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--model",
+                        help="mlx-lm model folder or HF id (default: $KVCOMPRESS_MODELS_DIR/stories260K "
+                             "or ../shared/models/stories260K next to the checkout)")
+    parser.add_argument("--text",
+                        help="UTF-8 text file (default: tinystories_valid/tinystories_val.txt under "
+                             "$KVCOMPRESS_DATA_DIR or ../shared/data)")
+    parser.add_argument("--windows", type=int, help="number of windows: the cost knob (default 32)")
+    parser.add_argument("--window", type=int, help="tokens per window, BOS included (default 512)")
+    parser.add_argument("--prefill", type=int, help="tokens prefilled per window (default 128)")
+    parser.add_argument("--budgets", type=_ints, help="comma list of budgets (default 64,256)")
+    parser.add_argument("--batch", type=int, help="windows decoded together (default 32)")
+    parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
+    parser.add_argument("--methods", type=_names, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
+    parser.add_argument("--out", default=DEFAULTS["out"], help="folder for perplexity.json/.png (default: docs/results)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
+    parser.add_argument("--markdown", action="store_true", help="also print the markdown table")
+
+
+def settings_from_args(args) -> dict:
+    s = dict(DEFAULTS)
+    s.pop("out")
+    if getattr(args, "quick", False):
+        s.update(QUICK)
+    for k in list(s):
+        v = getattr(args, k, None)
+        if v is not None:
+            s[k] = v
+    return s
+
+
+def run(args) -> dict:
+    """``kvcompress bench perplexity``: run, write ``<out>/perplexity.json`` (+ .png), print a table."""
+    import sys
+
+    from ._report import markdown_table, openblas_note, print_table, write_json
+
+    note = openblas_note()
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        payload = run_perplexity(settings_from_args(args), progress=True)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"kvcompress bench perplexity: {exc}") from None
+    out = Path(getattr(args, "out", None) or DEFAULTS["out"])
+    write_json(out / "perplexity.json", payload)
+    cols, rows = results_table(payload)
+    print_table(f"Streaming perplexity ({Path(payload['settings']['model']).name}, "
+                f"{payload['settings']['scored_tokens']} scored tokens, lower is better)", cols, rows,
+                plain=getattr(args, "plain", False))
+    for r in payload["results"]:
+        if "error" in r:
+            print(f"  {r['label']} (C={r['budget']}): {r['error']}")
+    if getattr(args, "markdown", False):
+        print(markdown_table(cols, rows))
+    if not getattr(args, "no_plot", False):
+        try:
+            plot_perplexity(payload, out / "perplexity.png")
+        except ImportError as exc:
+            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
+    print(f"wrote {out / 'perplexity.json'} in {payload['seconds_total']}s", file=sys.stderr)
+    return payload
