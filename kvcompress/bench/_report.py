@@ -248,3 +248,15 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     head = "| " + " | ".join(columns) + " |"
     rule = "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"
     return "\n".join([head, rule, *("| " + " | ".join(r) + " |" for r in cells)])
+
+
+def settings_from_args(args, defaults: Mapping[str, Any], quick: Mapping[str, Any]) -> dict:
+    """Workload settings: ``defaults``, then ``quick`` with ``--quick``, then every option given."""
+    s = {k: v for k, v in defaults.items() if k != "out"}
+    if getattr(args, "quick", False):
+        s.update(quick)
+    for k in list(s):
+        v = getattr(args, k, None)
+        if v is not None:
+            s[k] = v
+    return s

@@ -428,15 +428,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args) -> dict:
-    s = dict(DEFAULTS)
-    s.pop("out")
-    if getattr(args, "quick", False):
-        s.update(QUICK)
-    for k in list(s):
-        v = getattr(args, k, None)
-        if v is not None:
-            s[k] = v
-    return s
+    from ._report import settings_from_args as from_args
+
+    return from_args(args, DEFAULTS, QUICK)
 
 
 def run(args) -> dict:
