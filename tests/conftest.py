@@ -71,3 +71,18 @@ def stories_text():
     if not path.exists():
         pytest.skip(f"evaluation text not found at {path}; set KVCOMPRESS_DATA_DIR")
     return path.read_text()
+
+
+def make_caches(model, method: str, want: int, **params) -> list:
+    """``make_prompt_cache`` with the smallest budget >= ``want`` the method accepts (methods
+    protect different numbers of tokens: sinks, recent windows, chunk slack)."""
+    import kvcompress
+    from kvcompress import ConfigError
+
+    b = max(want, kvcompress.build_method(method, **params).selector.reserved(want) + 1)
+    for _ in range(256):
+        try:
+            return kvcompress.make_prompt_cache(model, method, budget=b, **params)
+        except ConfigError:
+            b += 1
+    raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")

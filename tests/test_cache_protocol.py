@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
 import kvcompress.cache as kvc_cache
-from conftest import tiny_llama
+from conftest import make_caches, tiny_llama
 from kvcompress import CompressedKVCache, ConfigError
 
 METHODS = sorted(kvcompress.get_registry().methods)
@@ -44,16 +44,6 @@ def fresh_tiny(**kw):
     return tiny_llama(**kw)
 
 
-def make_caches(model, method: str, want: int) -> list:
-    """``make_prompt_cache`` with the smallest budget >= ``want`` the method accepts (methods
-    protect different numbers of tokens: sinks, recent windows, chunk slack)."""
-    b = max(want, kvcompress.build_method(method).selector.reserved(want) + 1)
-    for _ in range(256):
-        try:
-            return kvcompress.make_prompt_cache(model, method, budget=b)
-        except ConfigError:
-            b += 1
-    raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")
 
 
 def feed(model, cache, tokens: mx.array, step: int) -> mx.array:

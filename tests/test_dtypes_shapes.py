@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import kvcompress
-from conftest import tiny_llama
-from kvcompress import ConfigError
+from conftest import make_caches, tiny_llama
 
 METHODS = sorted(kvcompress.get_registry().methods)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -26,15 +25,6 @@ def token_ids(n: int, seed: int, batch: int = 2) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(0, 97, size=(batch, n)), dtype=mx.int32)
 
 
-def make_caches(model, method: str, want: int, **params) -> list:
-    """``make_prompt_cache`` with the smallest budget >= ``want`` the method accepts."""
-    b = max(want, kvcompress.build_method(method, **params).selector.reserved(want) + 1)
-    for _ in range(256):
-        try:
-            return kvcompress.make_prompt_cache(model, method, budget=b, **params)
-        except ConfigError:
-            b += 1
-    raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")
 
 
 def sharpen(model, factor: float = 8.0):

@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 import kvcompress
-from conftest import models_dir, tiny_llama
+from conftest import make_caches, models_dir, tiny_llama
 from kvcompress import CompressedKVCache, ConfigError
 
 METHODS = sorted(kvcompress.get_registry().methods)
@@ -52,16 +52,6 @@ STORIES_PROMPT = (
 # ------------------------------------------------------------------------------------------------
 
 
-def make_caches(model, method: str, want: int) -> list:
-    """``make_prompt_cache`` with the smallest budget >= ``want`` the method accepts (methods
-    protect different numbers of tokens: sinks, recent windows, chunk slack)."""
-    b = max(want, kvcompress.build_method(method).selector.reserved(want) + 1)
-    for _ in range(256):
-        try:
-            return kvcompress.make_prompt_cache(model, method, budget=b)
-        except ConfigError:
-            b += 1
-    raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")
 
 
 def assert_step_accounting(c, n_before: int, evicted_before: int, S: int) -> None:
