@@ -260,3 +260,18 @@ def settings_from_args(args, defaults: Mapping[str, Any], quick: Mapping[str, An
         if v is not None:
             s[k] = v
     return s
+
+
+def result_labels(payload: Mapping[str, Any]) -> list[str]:
+    """The distinct ``label`` of ``payload["results"]``, in first-seen order."""
+    return list(dict.fromkeys(r["label"] for r in payload["results"]))
+
+
+def add_output_arguments(parser, what: str) -> None:
+    """The options every workload shares: ``--out`` (alias ``--out-dir``), ``--no-plot``,
+    ``--plain``, ``--markdown``."""
+    parser.add_argument("--out", "--out-dir", dest="out", default="docs/results",
+                        help=f"folder for {what} (default: docs/results)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--plain", action="store_true", help="plain-text tables (no rich)")
+    parser.add_argument("--markdown", action="store_true", help="also print markdown tables")

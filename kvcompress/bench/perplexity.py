@@ -351,10 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", type=_names, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
-    parser.add_argument("--out", default=DEFAULTS["out"], help="folder for perplexity.json/.png (default: docs/results)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
-    parser.add_argument("--markdown", action="store_true", help="also print the markdown table")
+    from ._report import add_output_arguments
+
+    add_output_arguments(parser, "perplexity.json/.png")
 
 
 def settings_from_args(args) -> dict:

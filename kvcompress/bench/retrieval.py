@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ._report import result_labels
 from .retrieval_data import WordTokenizer, make_sample
 
 __all__ = [
@@ -298,14 +299,6 @@ def _chunk_label(chunk: int) -> str:
         f"prefill chunks of {chunk} (compression blind to the question)")
 
 
-def _labels(payload: dict) -> list[str]:
-    seen: list[str] = []
-    for r in payload["results"]:
-        if r["label"] not in seen:
-            seen.append(r["label"])
-    return seen
-
-
 def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     """One row per (task, chunk, method); one accuracy column per ratio."""
     ratios = list(payload["settings"]["ratios"])
@@ -350,7 +343,7 @@ def plot_retrieval(payload: dict, path) -> Path:
 
     st = payload["settings"]
     tasks, chunks, ratios = st["tasks"], st["prefill_chunks"], list(st["ratios"])
-    labels = [m for m in _labels(payload) if m != "full"]
+    labels = [m for m in result_labels(payload) if m != "full"]
     fig, axes = plt.subplots(len(tasks), len(chunks), figsize=(4.6 * len(chunks) + 2.4, 3.4 * len(tasks) + 1.2),
                              squeeze=False)
     cmap = plt.get_cmap("tab20")
@@ -421,10 +414,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", type=_names, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
-    parser.add_argument("--out", default=DEFAULTS["out"], help="folder for retrieval.json/.png (default: docs/results)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
-    parser.add_argument("--markdown", action="store_true", help="also print the markdown table")
+    from ._report import add_output_arguments
+
+    add_output_arguments(parser, "retrieval.json/.png")
 
 
 def settings_from_args(args) -> dict:

@@ -39,7 +39,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ._report import machine_info
+from ._report import machine_info, result_labels
 
 __all__ = [
     "SyntheticSettings",
@@ -435,17 +435,9 @@ def run_synthetic(
 # ------------------------------------------------------------------------------------------------
 
 
-def _labels(payload: dict) -> list[str]:
-    seen: list[str] = []
-    for r in payload["results"]:
-        if r["label"] not in seen:
-            seen.append(r["label"])
-    return seen
-
-
 def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     """Wide table: one row per (scenario, seq_len, budget), one column per method variant."""
-    labels = _labels(payload)
+    labels = result_labels(payload)
     cols = ["data", "T", "C", "T/C", *labels]
     cells: dict[tuple, dict] = {}
     for r in payload["results"]:
@@ -483,7 +475,7 @@ def plot_synthetic(payload: dict, path) -> Any:
 
     st = payload["settings"]
     seq_lens, scenarios, budgets = st["seq_lens"], st["scenarios"], st["budgets"]
-    labels = [lbl for lbl in _labels(payload) if lbl != "full"]
+    labels = [lbl for lbl in result_labels(payload) if lbl != "full"]
     fig, axes = plt.subplots(
         len(scenarios), len(seq_lens),
         figsize=(3.8 * len(seq_lens) + 2.6, 3.3 * len(scenarios) + 1.2), squeeze=False,
@@ -535,7 +527,7 @@ def markdown_tables(payload: dict) -> str:
     from ._report import markdown_table
 
     out = []
-    labels = _labels(payload)
+    labels = result_labels(payload)
     for scenario in payload["settings"]["scenarios"]:
         recs = [r for r in payload["results"] if r["scenario"] == scenario]
         configs = sorted({(r["seq_len"], r["budget"]) for r in recs})
@@ -579,11 +571,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="K/V storage dtype")
-    parser.add_argument("--out", "--out-dir", dest="out", default="docs/results",
-                        help="folder for synthetic.json/.png (default: docs/results)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--plain", action="store_true", help="plain-text table (no rich)")
-    parser.add_argument("--markdown", action="store_true", help="also print markdown tables")
+    from ._report import add_output_arguments
+
+    add_output_arguments(parser, "synthetic.json/.png")
 
 
 def settings_from_args(args) -> SyntheticSettings:
