@@ -16,6 +16,7 @@ BENCH_WORKLOADS = {
     "synthetic": "kvcompress.bench.synthetic",
     "perplexity": "kvcompress.bench.perplexity",
     "speed": "kvcompress.bench.speed",
+    "scaling": "kvcompress.bench.scaling",
 }
 DEFAULT_WORKLOAD = "retrieval"
 
