@@ -259,6 +259,9 @@ def test_speed_settings_validation():
         ("speed", ["--quick", "--rounds", "1", "--context", "96", "--budget", "32",
                    "--prefill-step-size", "32", "--no-profile", "--plain", "--out-name", "s"],
          ["s.json", "s.png"]),
+        ("scaling", ["--quick", "--contexts", "96,128", "--budgets", "64", "--methods", "h2o,cam",
+                     "--decode-tokens", "2", "--prefill-step-size", "32", "--plain"],
+         ["scaling.json", "scaling.png"]),
     ],
 )
 def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
@@ -267,7 +270,9 @@ def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
     import argparse
 
     pytest.importorskip("matplotlib")
-    mod = {"synthetic": syn, "speed": speed_mod}[workload]
+    from kvcompress.bench import scaling
+
+    mod = {"synthetic": syn, "speed": speed_mod, "scaling": scaling}[workload]
     ap = argparse.ArgumentParser()
     mod.add_arguments(ap)
     with warnings.catch_warnings():
@@ -280,8 +285,11 @@ def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
     if workload == "synthetic":
         assert {r["method"] for r in data["results"]} == {"h2o", "cam", "full", "rotating"}
         assert data["settings"]["seq_lens"] == [64]
-    else:
+    elif workload == "speed":
         assert data["settings"]["context"] == 96 and set(data["summary"]) == {"h2o", "cam", "rotating", "full"}
+    else:
+        assert data["settings"]["contexts"] == [96, 128] and data["settings"]["budgets"] == [64]
+        assert {r["kind"] for r in data["summary"]} == {"h2o", "cam", "rotating", "full"}
     assert "rotating" in capsys.readouterr().out
 
 
