@@ -272,6 +272,9 @@ def test_perplexity_sweep_covers_methods_and_gaps_are_sane(stories_model, storie
                 assert r["bytes_ratio"] > 3.0, r
         # budget 96 >= window: nothing is evicted, so the cache is the full cache
         assert abs(by[(m, 96)]["nll_gap"]) < 1e-4, by[(m, 96)]
+        # the standard error of the paired per-window gaps (2 windows)
+        w = np.array(by[(m, 16)]["nll_by_window"]) - np.array(by[("full", None)]["nll_by_window"])
+        assert by[(m, 16)]["nll_gap_se"] == pytest.approx(abs(w[0] - w[1]) / 2, rel=1e-5)
     # at 6x compression every method loses something on real text
     assert all(by[(m, 16)]["nll_gap"] > 0 for m in ("h2o", "cam", "rotating"))
     # the variant really ran with its own parameters: no recent window changes the numbers

@@ -158,7 +158,8 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     """The sweep; returns ``{"benchmark", "machine", "settings", "full", "results", ...}``.
 
     ``full``: the full-cache ``nll``/``ppl``; each record of ``results`` (one per method and
-    budget) has ``nll``, ``ppl``, ``gap`` (ppl minus full ppl), ``nll_gap``, ``kept`` (mean
+    budget) has ``nll``, ``ppl``, ``gap`` (ppl minus full ppl), ``nll_gap``, ``nll_gap_se`` (its
+    standard error from the per-window paired differences), ``kept`` (mean
     tokens stored per layer at the end of a window), ``kv_bytes_per_window`` and
     ``bytes_ratio`` (full-cache bytes over this cache's live bytes at the end of a window:
     quantizing methods keep every token, so their ratio is below ``window / budget``),
@@ -210,7 +211,9 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
         if name == "full":
             full_nll, full_bytes = nll, nbytes
         base = float(full_nll.mean())
-        rec.update(nll=m, ppl=math.exp(m), nll_gap=m - base, gap=math.exp(m) - math.exp(base),
+        paired = nll.mean(axis=1) - full_nll.mean(axis=1)
+        se = float(paired.std(ddof=1) / math.sqrt(len(paired))) if len(paired) > 1 else None
+        rec.update(nll=m, ppl=math.exp(m), nll_gap=m - base, nll_gap_se=se, gap=math.exp(m) - math.exp(base),
                    nll_by_window=[float(x) for x in nll.mean(axis=1)], kept=kept,
                    kv_bytes_per_window=nbytes, bytes_ratio=full_bytes / nbytes if nbytes else None,
                    seconds=round(time.perf_counter() - t0, 2))
