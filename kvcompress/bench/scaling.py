@@ -42,6 +42,7 @@ import attrs
 import mlx.core as mx
 
 from ._report import machine_info
+from .speed import _rotate
 
 __all__ = [
     "ScalingSettings",
@@ -190,11 +191,6 @@ class _Runner:
                 self.decoded += 1
 
         return self._track(go) / k
-
-
-def _rotate(items: list, r: int) -> list:
-    r %= len(items)
-    return items[r:] + items[:r]
 
 
 def _kinds(s: ScalingSettings, registry) -> list[str]:
