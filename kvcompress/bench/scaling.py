@@ -11,13 +11,17 @@ the context checkpoints ``n_1 < n_2 < ...`` (default 1024, 2048, 4096, 8192):
    (``model(chunk, cache)``, then ``mx.eval`` of the cache state, as ``mlx_lm.generate`` does);
    ``prefill_s`` at ``n_i`` is the cumulative time, i.e. the time to prefill an ``n_i``-token
    prompt with chunk boundaries at the same positions;
-2. *decode* ``decode_tokens`` greedy steps (synchronous: ``mx.eval`` of each token), timed in
-   blocks of ``decode_block`` steps interleaved kind by kind, the order rotated every block, so
-   load from other processes hits every kind alike. The decoded tokens stay in the context, so
-   the context at checkpoint ``i`` is ``n_i + (i - 1) * decode_tokens`` tokens (recorded as
+2. *decode* ``decode_tokens`` greedy steps pipelined as ``mlx_lm.generate`` runs them (step
+   ``n + 1`` is built while step ``n`` computes), timed in blocks of ``decode_block`` steps
+   interleaved kind by kind, the order rotated every block, so load from other processes hits
+   every kind alike; then one block of ``sync_tokens`` synchronous steps (``mx.eval`` of each
+   token before the next step is built), which exposes the Python/graph-building cost of a
+   cache that pipelining hides. The decoded tokens stay in the context, so the context at
+   checkpoint ``i`` is ``n_i + (i - 1) * (decode_tokens + sync_tokens)`` tokens (recorded as
    ``tokens_seen``).
 
-**Measurements** at each checkpoint: ``decode_ms`` (median ms per token over the blocks),
+**Measurements** at each checkpoint: ``decode_ms`` (median ms per token over the pipelined
+blocks), ``decode_ms_sync``,
 ``prefill_s``, ``cache_bytes`` (``sum(c.nbytes)`` over the layers: allocated buffers,
 positions, scores and quantized blocks included), ``live_bytes`` (the bytes of the tokens
 actually held), ``stored_tokens`` (layer 0) and ``peak_bytes``: the largest
@@ -26,7 +30,7 @@ plus this kind's cache plus the transient buffers of its prefill chunks and deco
 (peak counter reset before each of the kind's segments; the other kinds' caches, idle during
 the segment, are subtracted). Ratios are paired against ``rotating`` of the same budget from the
 same pass: ``decode_ratio`` = rotating ms / kind ms per (checkpoint, block), median (higher is
-better; target >= 0.9); ``prefill_ratio`` = kind s / rotating s per chunk segment summed to
+better; target >= 0.9), ``decode_ratio_sync`` the same for the synchronous blocks; ``prefill_ratio`` = kind s / rotating s per chunk segment summed to
 the checkpoint (lower is better).
 """
 
@@ -75,7 +79,9 @@ class ScalingSettings:
     full_budget: Optional[int] = None
     keep: int = 4
     decode_tokens: int = 16
-    decode_block: int = 4
+    decode_block: int = 8
+    #: synchronous decode steps per checkpoint (one block; 0 = none)
+    sync_tokens: int = 4
     prefill_step_size: int = 512
     dtype: str = "float32"
     n_layers: int = 8
@@ -95,6 +101,8 @@ class ScalingSettings:
             raise ValueError(f"budgets must be positive token counts, got {self.budgets}")
         if self.decode_block < 2 or self.decode_tokens < self.decode_block:
             raise ValueError("need decode_block >= 2 and decode_tokens >= decode_block")
+        if self.sync_tokens < 0:
+            raise ValueError(f"sync_tokens must be >= 0, got {self.sync_tokens}")
         if self.full_budget not in (None, 0) and self.full_budget not in self.budgets:
             raise ValueError(f"full_budget {self.full_budget} is not one of the budgets {self.budgets}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -112,7 +120,7 @@ class ScalingSettings:
 
 #: Small sizes for smoke tests and ``--quick`` (seconds).
 QUICK = dict(
-    contexts=(128, 256), budgets=(64, 96), decode_tokens=4, decode_block=2, prefill_step_size=64, n_layers=2,
+    contexts=(128, 256), budgets=(64, 96), decode_tokens=4, decode_block=2, sync_tokens=2, prefill_step_size=64, n_layers=2,
     hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=256, vocab=500,
 )
 
@@ -179,16 +187,40 @@ class _Runner:
 
         self.prefill_s += self._track(go)
 
+    def _step(self, y: mx.array) -> mx.array:
+        logits = self.model(y, cache=self.cache)
+        self.decoded += 1
+        return mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
+
+    def _input(self) -> mx.array:
+        if self.y is None:
+            return self.decode_ids[self.decoded % self.decode_ids.shape[0]].reshape(1, 1)
+        return self.y
+
     def decode(self, k: int) -> float:
-        """``k`` synchronous greedy steps; seconds per step."""
+        """``k`` greedy steps pipelined as ``mlx_lm.generate_step`` runs them (step ``n + 1`` is
+        built while step ``n`` computes: ``mx.async_eval``); seconds per step, timed from a
+        synchronised start to the last token."""
+        def go():
+            nxt = self._step(self._input())
+            mx.async_eval(nxt)
+            for i in range(k):
+                cur = nxt
+                if i + 1 < k:
+                    nxt = self._step(cur)
+                    mx.async_eval(nxt)
+                mx.eval(cur)
+            self.y = cur
+
+        return self._track(go) / k
+
+    def decode_sync(self, k: int) -> float:
+        """``k`` synchronous greedy steps (``mx.eval`` of each token before the next is built):
+        the cache's graph-building overhead fully exposed; seconds per step."""
         def go():
             for _ in range(k):
-                tok = self.decode_ids[self.decoded % self.decode_ids.shape[0]]
-                y = tok.reshape(1, 1) if self.y is None else self.y
-                logits = self.model(y, cache=self.cache)
-                self.y = mx.argmax(logits[:, -1, :], axis=-1, keepdims=True)
+                self.y = self._step(self._input())
                 mx.eval(self.y)
-                self.decoded += 1
 
         return self._track(go) / k
 
@@ -265,12 +297,17 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
             for b in range(n_blocks):
                 for kind in _rotate(list(runners), b + ci):
                     times[kind].append(runners[kind].decode(s.decode_block))
+            sync: dict[str, float] = {}
+            if s.sync_tokens:
+                for kind in _rotate(list(runners), ci + 1):
+                    sync[kind] = runners[kind].decode_sync(s.sync_tokens)
             for kind, r in runners.items():
                 payload["results"].append({
                     "kind": kind, "budget": None if kind == "full" else budget, "pass_budget": budget,
                     "context": n, "tokens_seen": r.pos + r.decoded,
                     "prefill_s": r.prefill_s, "decode_ms": 1e3 * statistics.median(times[kind]),
                     "decode_ms_blocks": [1e3 * t for t in times[kind]],
+                    "decode_ms_sync": 1e3 * sync[kind] if kind in sync else None,
                     "cache_bytes": _cache_bytes(r.cache), "live_bytes": live_kv_bytes(r.cache),
                     "stored_tokens": int(r.cache[0].size()), "peak_bytes": r.peak,
                 })
@@ -282,6 +319,8 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
                 for rec in payload["results"][-len(runners):]:
                     rec["decode_ratio_blocks"] = [a / b for a, b in zip(
                         [1e3 * t for t in rot], rec["decode_ms_blocks"])]
+                    if rec["decode_ms_sync"]:
+                        rec["decode_ratio_sync"] = 1e3 * sync["rotating"] / rec["decode_ms_sync"]
         del runners
         gc.collect()
         mx.clear_cache()
@@ -301,6 +340,8 @@ def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
         rot = by.get(("rotating", budget, n))
         first = by.get((kind, budget, s.contexts[0]))
         ratios = [x for c in s.contexts for x in by.get((kind, budget, c), {}).get("decode_ratio_blocks", [])]
+        sync = [by[(kind, budget, c)]["decode_ratio_sync"] for c in s.contexts
+                if "decode_ratio_sync" in by.get((kind, budget, c), {})]
         rec = {
             "kind": kind, "budget": r["budget"], "pass_budget": budget, "context": n,
             "prefill_s": r["prefill_s"], "decode_tok_s": 1e3 / r["decode_ms"],
@@ -310,6 +351,7 @@ def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
         if rot and kind != "rotating":
             rec["prefill_ratio"] = r["prefill_s"] / rot["prefill_s"]
             rec["decode_ratio"] = statistics.median(ratios) if ratios else None
+            rec["decode_ratio_sync"] = statistics.median(sync) if sync else None
             rec["cache_ratio"] = r["cache_bytes"] / rot["cache_bytes"]
             rec["peak_ratio"] = r["peak_bytes"] / rot["peak_bytes"]
             if kind != "full" and rec["decode_ratio"] is not None:
@@ -325,15 +367,15 @@ def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
 
 def summary_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     n = payload["settings"]["contexts"][-1]
-    cols = ["budget", "cache", f"prefill s @{n}", "/ rotating", "decode tok/s", "/ rotating (median)",
+    cols = ["budget", "cache", f"prefill s @{n}", "/ rotating", "decode tok/s", "/ rotating", "(sync)",
             f"decode ms {n} / {payload['settings']['contexts'][0]}", "cache MB", "peak MB", "peak / rotating"]
     rows = []
     for r in payload["summary"]:
+        one = 1.0 if r["kind"] == "rotating" else None
         rows.append([
-            "-" if r["budget"] is None else r["budget"], r["kind"], r["prefill_s"],
-            1.0 if r["kind"] == "rotating" else r.get("prefill_ratio"), r["decode_tok_s"],
-            1.0 if r["kind"] == "rotating" else r.get("decode_ratio"), r["decode_ms_growth"],
-            r["cache_mb"], r["peak_mb"], 1.0 if r["kind"] == "rotating" else r.get("peak_ratio"),
+            "-" if r["budget"] is None else r["budget"], r["kind"], r["prefill_s"], r.get("prefill_ratio", one),
+            r["decode_tok_s"], r.get("decode_ratio", one), r.get("decode_ratio_sync", one), r["decode_ms_growth"],
+            r["cache_mb"], r["peak_mb"], r.get("peak_ratio", one),
         ])
     return cols, rows
 
@@ -341,7 +383,7 @@ def summary_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
 def caption(payload: dict) -> str:
     from ._report import machine_summary, settings_summary
 
-    keys = ("contexts", "budgets", "keep", "decode_tokens", "decode_block", "prefill_step_size", "dtype",
+    keys = ("contexts", "budgets", "keep", "decode_tokens", "decode_block", "sync_tokens", "prefill_step_size", "dtype",
             "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab")
     return (f"Settings: {settings_summary(payload['settings'], keys)}; weights "
             f"{payload['weights_bytes'] / 2**20:.0f} MB. Machine: {machine_summary(payload['machine'])}")
