@@ -234,9 +234,12 @@ def _kinds(s: ScalingSettings, registry) -> list[str]:
 
 
 def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optional[Callable[[str], None]] = None,
-                registry=None) -> dict:
+                registry=None, bar: bool = False) -> dict:
     """Run every budget pass; return the JSON payload (``results``: one record per kind, budget
-    and checkpoint; ``summary``: per kind and budget, at the largest context)."""
+    and checkpoint; ``summary``: per kind and budget, at the largest context).
+
+    ``progress`` receives a line per checkpoint; ``bar`` shows a tqdm bar of prompt tokens
+    prefilled (when tqdm is installed)."""
     from mlx.utils import tree_flatten
 
     from kvcompress import get_registry, install
@@ -260,6 +263,11 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     }
     n_blocks = s.decode_tokens // s.decode_block
     warmed: set = set()
+    n_kinds = len(methods) + 1
+    total = s.contexts[-1] * (n_kinds * len(s.budgets) + (1 if s.full_pass else 0))
+    pbar = _bar(total) if bar else None
+    if pbar is not None:
+        say = pbar.write
     for budget in s.budgets:
         kinds = [*methods, "rotating"] + (["full"] if budget == s.full_pass else [])
         if s.warmup:
@@ -287,7 +295,10 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
             order = _rotate(list(runners), ci)
             for kind in order:
                 try:
+                    before = runners[kind].pos
                     runners[kind].prefill_to(n, s.prefill_step_size)
+                    if pbar is not None:
+                        pbar.update(n - before)
                 except Exception as exc:
                     payload["errors"].append({"kind": kind, "budget": budget, "context": n,
                                               "error": f"{type(exc).__name__}: {exc}"})
@@ -324,9 +335,19 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
         del runners
         gc.collect()
         mx.clear_cache()
+    if pbar is not None:
+        pbar.close()
     payload["summary"] = _summarise(payload, s)
     payload["seconds_total"] = time.perf_counter() - t_start
     return payload
+
+
+def _bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="scaling", unit="tok", unit_scale=True, file=sys.stderr)
 
 
 def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
@@ -494,7 +515,7 @@ def run(args) -> dict:
     note = openblas_note()
     if note:
         print(note, file=sys.stderr)
-    payload = run_scaling(settings, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    payload = run_scaling(settings, progress=lambda m: print(m, file=sys.stderr, flush=True), bar=True)
     out = Path(getattr(args, "out", "docs/results"))
     write_json(out / "scaling.json", payload)
     print_table(f"Speed and memory at {payload['settings']['contexts'][-1]} tokens "
