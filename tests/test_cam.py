@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -708,3 +709,31 @@ def test_sim_weighted_blend_weights_by_attention_prominence():
         a_l, a_t = s_l / 2, s_t / 10
         assert w == pytest.approx(a_l / (a_l + a_t), abs=1e-5)
     # the more attention the loser drew per query, the more of it the target absorbs
+
+
+@pytest.mark.parametrize("merge", ["sim_weighted", "mean"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_compiled_decode_merge_equals_the_eager_one(merge, dtype, monkeypatch):
+    """The decode path (one loser per row) runs as an ``mx.compile``d function; it computes what
+    the eager operations compute (same targets, gate decisions and merge count; values to float
+    rounding)."""
+    from kvcompress_cam import merge as merge_mod
+
+    b, h, t, d = 2, 4, 48, 16
+    keys, values = rnd((b, h, t, d), 1, dtype), rnd((b, h, t, d), 2, dtype)
+    scores = mx.abs(rnd((b, h, t), 3)) * 5
+    evict = distinct_evict(b, h, t, 1, 4, low=4)
+    gm = GatedMerge(merge=merge, merge_keys=True, transfer_mass=True, n_sink=4, seed=7)
+    outs = []
+    for compiled in (True, False):
+        monkeypatch.setattr(merge_mod, "_COMPILE", compiled)
+        monkeypatch.setattr(merge_mod, "_FNS", {})
+        ev = attrs.evolve(make_ev(keys, values, scores, evict, layer=3, draw_id=11), offset=300)
+        outs.append([np_(x) for x in gm.dispose(ev)])
+        fn = merge_mod._FNS[(merge, True, True, 4, True, True)]  # the decode function in use
+        assert (type(fn).__name__ == "_gc_func") == compiled  # mx.compile's wrapper type
+    (kc, vc, sc, nc), (ke, ve, se, ne) = outs
+    assert int(nc) == int(ne) > 0
+    tol = 1e-6 if dtype == mx.float32 else 1e-3
+    for a, e in ((kc, ke), (vc, ve), (sc, se)):
+        np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), atol=tol, rtol=tol)

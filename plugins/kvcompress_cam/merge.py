@@ -18,11 +18,17 @@ For each evicted slot ``l`` (per batch, KV head):
   a window), as the design note does; off, the target keeps its own score.
 
 ``merge="drop"`` does nothing at all, so the method is bit-for-bit the drop method.
+
+A decode step (one loser per row) runs the nearest-target merge as one ``mx.compile``d
+function of the arrays (compiled once per shape and configuration; the seed, layer, draw id
+and offset enter as array scalars, so they never trigger a retrace): the same operations,
+fused. ``KVCOMPRESS_NO_COMPILE=1`` runs them eagerly.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import os
+from typing import Callable, ClassVar, Literal
 
 import attrs
 import mlx.core as mx
@@ -48,20 +54,28 @@ def _mix32(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
+def _gate_base(seed: int, layer: int, draw_id: int) -> int:
+    return (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+
+
 def gate_uniforms(shape: tuple, seed: int, layer: int, draw_id: int) -> mx.array:
     """Uniforms in [0, 1) indexed by (seed, layer, draw id, batch row, head, loser).
 
     Each value depends only on its own index, never on the batch size or on ``mx.random``'s
     global state, so a sequence gets the same draws alone or inside any batch.
     """
-    base = (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+    return _uniforms(shape, mx.array(_gate_base(seed, layer, draw_id), mx.uint32))
+
+
+def _uniforms(shape: tuple, base: mx.array) -> mx.array:
+    """:func:`gate_uniforms` with the draw's base hash as a uint32 array scalar."""
     idx = mx.zeros(shape, mx.uint32)
     stride = 1
     for axis in range(len(shape) - 1, -1, -1):  # row-major index over a fixed-size grid
         ar = mx.arange(shape[axis], dtype=mx.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
         idx = idx + ar * mx.array(stride * 0x9E3779B1 & 0xFFFFFFFF, mx.uint32)
         stride = stride * 0x10001 + 1
-    bits = _mix32(_mix32(idx ^ mx.array(base, mx.uint32)) + mx.array(base >> 7, mx.uint32))
+    bits = _mix32(_mix32(idx ^ base) + (base >> 7))
     return (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24))
 
 
@@ -112,65 +126,22 @@ class GatedMerge:
 
     def nearest_target(self, keys, positions, evict):
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
-        t = keys.shape[2]
-        kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
-        dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
-        norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))  # [B,H,T]
-        norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
-        cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
-        invalid = positions < self.n_sink
-        if evict.shape[-1] == 1:
-            invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
-        else:
-            invalid = invalid | _evicted_mask(evict, t)
-        cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
-        target = mx.argmax(cos, axis=-1).astype(mx.int32)
-        best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
-        return target, best, best > -mx.inf
+        return _nearest_target(keys, positions, evict, self.n_sink)
 
     @staticmethod
     def prominence_share(ev, s_l, s_t, target):
         """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
-        off = mx.array(max(ev.offset, 1), mx.float32)
-        p_l = mx.take_along_axis(ev.positions, ev.evict, axis=-1).astype(mx.float32)
-        p_t = mx.take_along_axis(ev.positions, target, axis=-1).astype(mx.float32)
-        a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
-        a_t = mx.maximum(s_t, 0.0) / mx.maximum(off - p_t, 1.0)
-        total = a_l + a_t
-        return mx.where(total > 0, a_l / mx.where(total > 0, total, 1.0), 0.5)
+        return _prominence_share(ev.positions, ev.evict, target, s_l, s_t, mx.array(max(ev.offset, 1), mx.float32))
 
     def _merge_nearest(self, ev):
-        target, cos, has = self.nearest_target(ev.keys, ev.positions, ev.evict)
-        s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
-        s_t = mx.take_along_axis(ev.scores, target, axis=-1)
-        do = has
-        if self.merge_gate:
-            do = do & bernoulli_gate(gate_probability(s_l, s_t), self.seed, ev.layer, ev.draw_id)
-        if self.merge == "sim_weighted":
-            w = mx.maximum(cos, 0.0) * self.prominence_share(ev, s_l, s_t, target)
-            do = do & (w > 0)  # w = 0: nothing would move, so it is not counted as a merge
-        else:
-            w = mx.full(cos.shape, 0.5)
-        w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
-
-        def blend(x):
-            xl = mx.take_along_axis(x, ev.evict[..., None], axis=2).astype(mx.float32)
-            xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
-            if single:
-                return mx.put_along_axis(x, target[..., None], (xt + w * (xl - xt)).astype(x.dtype), axis=2)
-            return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
-
-        values = blend(ev.values)
-        keys = blend(ev.keys) if self.merge_keys else ev.keys
-        if not self.transfer_mass:
-            return keys, values, ev.scores, do.astype(mx.int32).sum()
-        moved = mx.where(do, s_l, 0.0)
-        if single:
-            scores = mx.put_along_axis(ev.scores, target, s_t + moved, axis=-1)
-        else:
-            scores = _scatter_add(ev.scores, target, moved)
-        return keys, values, scores, do.astype(mx.int32).sum()
+        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single)
+        keys, values, scores, count = fn(
+            ev.keys, ev.values, ev.scores, ev.positions, ev.evict,
+            mx.array(max(ev.offset, 1), mx.float32),
+            mx.array(_gate_base(self.seed, ev.layer, ev.draw_id), mx.uint32),
+        )
+        return keys, values, scores, count
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
@@ -213,3 +184,85 @@ class GatedMerge:
             return keys, values, ev.scores, do.astype(mx.int32).sum()
         scores = _scatter_add(ev.scores, flat_t, (share * s_l[..., None]).reshape(b, h, e * m))
         return keys, values, scores, do.astype(mx.int32).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# The nearest-target merge as a pure function of arrays (compiled for decode)
+# --------------------------------------------------------------------------------------------
+
+_COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
+_FNS: dict = {}
+
+
+def _nearest_target(keys, positions, evict, n_sink: int):
+    t = keys.shape[2]
+    kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
+    dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
+    norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))  # [B,H,T]
+    norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
+    cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
+    invalid = positions < n_sink
+    if evict.shape[-1] == 1:
+        invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
+    else:
+        invalid = invalid | _evicted_mask(evict, t)
+    cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
+    target = mx.argmax(cos, axis=-1).astype(mx.int32)
+    best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
+    return target, best, best > -mx.inf
+
+
+def _prominence_share(positions, evict, target, s_l, s_t, off):
+    p_l = mx.take_along_axis(positions, evict, axis=-1).astype(mx.float32)
+    p_t = mx.take_along_axis(positions, target, axis=-1).astype(mx.float32)
+    a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
+    a_t = mx.maximum(s_t, 0.0) / mx.maximum(off - p_t, 1.0)
+    total = a_l + a_t
+    return mx.where(total > 0, a_l / mx.where(total > 0, total, 1.0), 0.5)
+
+
+def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
+                      single: bool) -> Callable:
+    """``f(keys, values, scores, positions, evict, offset, base) -> (keys, values, scores, merges)``
+    for one configuration; compiled when ``single`` (decode: fixed shapes, one loser per row)."""
+    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single)
+    fn = _FNS.get(cfg)
+    if fn is not None:
+        return fn
+
+    def merge_fn(keys, values, scores, positions, evict, off, base):
+        target, cos, has = _nearest_target(keys, positions, evict, n_sink)
+        s_l = mx.take_along_axis(scores, evict, axis=-1)
+        s_t = mx.take_along_axis(scores, target, axis=-1)
+        do = has
+        if gate:
+            do = do & (_uniforms(s_l.shape, base) < gate_probability(s_l, s_t))
+        if merge == "sim_weighted":
+            w = mx.maximum(cos, 0.0) * _prominence_share(positions, evict, target, s_l, s_t, off)
+            do = do & (w > 0)  # w = 0: nothing would move, so it is not counted as a merge
+        else:
+            w = mx.full(cos.shape, 0.5)
+        w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
+
+        def blend(x):
+            xl = mx.take_along_axis(x, evict[..., None], axis=2).astype(mx.float32)
+            xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
+            if single:
+                return mx.put_along_axis(x, target[..., None], (xt + w * (xl - xt)).astype(x.dtype), axis=2)
+            return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
+
+        new_values = blend(values)
+        new_keys = blend(keys) if merge_keys else keys
+        count = do.astype(mx.int32).sum()
+        if not transfer_mass:
+            return new_keys, new_values, scores, count
+        moved = mx.where(do, s_l, 0.0)
+        if single:
+            new_scores = mx.put_along_axis(scores, target, s_t + moved, axis=-1)
+        else:
+            new_scores = _scatter_add(scores, target, moved)
+        return new_keys, new_values, new_scores, count
+
+    fn = mx.compile(merge_fn) if (single and _COMPILE) else merge_fn
+    _FNS[cfg] = fn
+    return fn
