@@ -8,8 +8,9 @@ name, budget=C)``), ``rotating`` (``RotatingKVCache(C, keep)``) and, in the pass
 the context checkpoints ``n_1 < n_2 < ...`` (default 1024, 2048, 4096, 8192):
 
 1. *prefill* from the previous checkpoint to ``n_i`` in chunks of ``prefill_step_size`` tokens
-   (``model(chunk, cache)``, then ``mx.eval`` of the cache state, as ``mlx_lm.generate`` does);
-   ``prefill_s`` at ``n_i`` is the cumulative time, i.e. the time to prefill an ``n_i``-token
+   (``model(chunk, cache)``, then ``mx.eval`` of the cache state, as ``mlx_lm.generate`` does),
+   then one decode step, which carries out the eviction the last chunk deferred; ``prefill_s``
+   at ``n_i`` is the cumulative time, i.e. the time to the first token of an ``n_i``-token
    prompt with chunk boundaries at the same positions;
 2. *decode* ``decode_tokens`` greedy steps pipelined as ``mlx_lm.generate`` runs them (step
    ``n + 1`` is built while step ``n`` computes), timed in blocks of ``decode_block`` steps
@@ -17,7 +18,7 @@ the context checkpoints ``n_1 < n_2 < ...`` (default 1024, 2048, 4096, 8192):
    every kind alike; then one block of ``sync_tokens`` synchronous steps (``mx.eval`` of each
    token before the next step is built), which exposes the Python/graph-building cost of a
    cache that pipelining hides. The decoded tokens stay in the context, so the context at
-   checkpoint ``i`` is ``n_i + (i - 1) * (decode_tokens + sync_tokens)`` tokens (recorded as
+   checkpoint ``i`` is ``n_i + i + (i - 1) * (decode_tokens + sync_tokens)`` tokens (recorded as
    ``tokens_seen``).
 
 **Measurements** at each checkpoint: ``decode_ms`` (median ms per token over the pipelined
@@ -78,7 +79,7 @@ class ScalingSettings:
     #: the budget whose pass also runs the full KVCache (None: budgets' middle one; 0: no full)
     full_budget: Optional[int] = None
     keep: int = 4
-    decode_tokens: int = 16
+    decode_tokens: int = 24
     decode_block: int = 8
     #: synchronous decode steps per checkpoint (one block; 0 = none)
     sync_tokens: int = 4
@@ -178,12 +179,17 @@ class _Runner:
         return dt
 
     def prefill_to(self, n: int, step: int) -> None:
+        """Feed the prompt up to token ``n`` in chunks, then take the first decode step (which
+        carries out the eviction the last chunk deferred): the time to the first token, as
+        ``mlx_lm.generate`` counts it."""
         def go():
             while self.pos < n:
                 end = min(n, (self.pos // step + 1) * step)
                 self.model(self.prompt[None, self.pos:end], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 self.pos = end
+            self.y = self._step(self._input())
+            mx.eval(self.y)
 
         self.prefill_s += self._track(go)
 
@@ -488,7 +494,7 @@ def add_arguments(parser) -> None:
                         help="comma list of methods (default: every registered method)")
     parser.add_argument("--full-budget", type=int, help="the budget pass that also runs the full KVCache "
                         "(default: the middle budget; 0: none)")
-    parser.add_argument("--decode-tokens", type=int, help="decode tokens per checkpoint (default 16)")
+    parser.add_argument("--decode-tokens", type=int, help="pipelined decode tokens per checkpoint (default 24)")
     parser.add_argument("--prefill-step-size", type=int, help="prefill chunk (default 512)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weights (default float32)")
     parser.add_argument("--n-layers", type=int, help="model layers (default 8)")
