@@ -61,8 +61,10 @@ DEFAULTS: dict[str, Any] = {
     "batch": 32,
     "n_sink": 4,
     "methods": None,
-    #: extra (method, params) variants, labelled "method:k=v", e.g. (("h2o", {"recent_ratio": 0.0}),)
-    "extra": (),
+    #: extra (method, params) variants, labelled "method:k=v". Default: SnapKV re-scoring at every
+    #: decode step from the window of the last ``recent`` queries (its ``interval`` option), the
+    #: best equal-memory result at 8x here (docs/bench_models.md)
+    "extra": (("snapkv", {"interval": 1}),),
     "seed": 0,
     "out": "docs/results",
 }
