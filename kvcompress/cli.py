@@ -119,7 +119,11 @@ def cmd_config_validate(args) -> int:
 
 def cmd_bench(args) -> int:
     mod = importlib.import_module(BENCH_WORKLOADS[args.workload])
-    mod.run(args)
+    try:
+        mod.run(args)
+    except ValueError as exc:  # bad settings: unknown methods, impossible sizes, ...
+        print(f"kvcompress bench {args.workload}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -380,3 +380,20 @@ def test_scaling_settings_reject_bad_input():
         scaling.ScalingSettings(budgets=(256,), full_budget=512)
     with pytest.raises(ValueError, match="unknown methods"):
         scaling.run_scaling(scaling.ScalingSettings(**{**TINY_SCALING, "methods": ("no_such_method",)}))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "scaling", "--quick", "--methods", "no_such_method"], "unknown methods ['no_such_method']; registered"),
+        (["bench", "scaling", "--quick", "--contexts", "256,128"], "contexts must be increasing"),
+        (["bench", "retrieval", "--quick", "--methods", "no_such_method"], "unknown methods ['no_such_method']"),
+    ],
+)
+def test_bench_command_reports_bad_settings_without_a_traceback(argv, message, tmp_path, capsys):
+    from kvcompress.cli import main
+
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing written
