@@ -128,11 +128,6 @@ class GatedMerge:
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
         return _nearest_target(keys, positions, evict, self.n_sink)
 
-    @staticmethod
-    def prominence_share(ev, s_l, s_t, target):
-        """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
-        return _prominence_share(ev.positions, ev.evict, target, s_l, s_t, mx.array(max(ev.offset, 1), mx.float32))
-
     def _merge_nearest(self, ev):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
         fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single)
@@ -213,6 +208,7 @@ def _nearest_target(keys, positions, evict, n_sink: int):
 
 
 def _prominence_share(positions, evict, target, s_l, s_t, off):
+    """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
     p_l = mx.take_along_axis(positions, evict, axis=-1).astype(mx.float32)
     p_t = mx.take_along_axis(positions, target, axis=-1).astype(mx.float32)
     a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
