@@ -27,6 +27,10 @@ __all__ = [
     "markdown_table",
     "fmt",
     "openblas_note",
+    "warn_openblas",
+    "int_list",
+    "name_list",
+    "finish",
 ]
 
 
@@ -114,6 +118,37 @@ def openblas_note() -> str:
     if find_openblas() and not openblas_preloaded():
         return f"warning: OpenBLAS is not preloaded; MLX CPU matmuls will be slow. Fix: {FIX_HINT}"
     return ""
+
+
+def warn_openblas() -> None:
+    """Print :func:`openblas_note` to stderr when it has something to say."""
+    note = openblas_note()
+    if note:
+        print(note, file=sys.stderr)
+
+
+def int_list(v: Any) -> tuple:
+    """``"1,2 3"`` or an iterable of numbers -> ``(1, 2, 3)`` (a command-line option type)."""
+    if isinstance(v, str):
+        v = v.replace(",", " ").split()
+    return tuple(int(x) for x in v)
+
+
+def name_list(text: str) -> tuple:
+    """``"a, b,"`` -> ``("a", "b")`` (a command-line option type)."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def finish(payload: Mapping[str, Any], json_path: Path, plot, args) -> None:
+    """The end of every workload's ``run``: draw ``plot(payload, <json_path>.png)`` unless
+    ``--no-plot`` (a missing matplotlib is a hint, not an error), then say what was written."""
+    json_path = Path(json_path)
+    if not getattr(args, "no_plot", False):
+        try:
+            plot(payload, json_path.with_suffix(".png"))
+        except ImportError as exc:
+            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
+    print(f"wrote {json_path} in {float(payload['seconds_total']):.1f}s", file=sys.stderr)
 
 
 def machine_summary(m: Mapping[str, Any]) -> str:

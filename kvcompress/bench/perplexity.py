@@ -31,6 +31,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from ._report import int_list, name_list
 from .retrieval import entries, live_kv_bytes
 
 __all__ = [
@@ -327,14 +328,6 @@ def plot_perplexity(payload: dict, path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> tuple:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _names(text: str) -> tuple:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 #: Tiny sizes for ``--quick`` (seconds).
 QUICK: dict[str, Any] = {"windows": 4, "batch": 4, "budgets": (64,)}
 
@@ -351,10 +344,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, help="number of windows: the cost knob (default 32)")
     parser.add_argument("--window", type=int, help="tokens per window, BOS included (default 512)")
     parser.add_argument("--prefill", type=int, help="tokens prefilled per window (default 128)")
-    parser.add_argument("--budgets", type=_ints, help="comma list of budgets (default 64,256)")
+    parser.add_argument("--budgets", type=int_list, help="comma list of budgets (default 64,256)")
     parser.add_argument("--batch", type=int, help="windows decoded together (default 32)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=_names, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
     from ._report import add_output_arguments
 
@@ -369,13 +362,9 @@ def settings_from_args(args) -> dict:
 
 def run(args) -> dict:
     """``kvcompress bench perplexity``: run, write ``<out>/perplexity.json`` (+ .png), print a table."""
-    import sys
+    from ._report import finish, markdown_table, print_table, warn_openblas, write_json
 
-    from ._report import markdown_table, openblas_note, print_table, write_json
-
-    note = openblas_note()
-    if note:
-        print(note, file=sys.stderr)
+    warn_openblas()
     try:
         payload = run_perplexity(settings_from_args(args), progress=True)
     except FileNotFoundError as exc:
@@ -391,10 +380,5 @@ def run(args) -> dict:
             print(f"  {r['label']} (C={r['budget']}): {r['error']}")
     if getattr(args, "markdown", False):
         print(markdown_table(cols, rows))
-    if not getattr(args, "no_plot", False):
-        try:
-            plot_perplexity(payload, out / "perplexity.png")
-        except ImportError as exc:
-            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {out / 'perplexity.json'} in {payload['seconds_total']}s", file=sys.stderr)
+    finish(payload, out / 'perplexity.json', plot_perplexity, args)
     return payload

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ._report import result_labels
+from ._report import int_list, name_list, result_labels
 from .retrieval_data import WordTokenizer, make_sample
 
 __all__ = [
@@ -390,14 +390,6 @@ def plot_retrieval(payload: dict, path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> tuple:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _names(text: str) -> tuple:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 #: Tiny sizes for ``--quick`` (seconds).
 QUICK: dict[str, Any] = {"samples": 8, "ratios": (2, 8)}
 
@@ -406,16 +398,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the retrieval workload; omitted options take :data:`DEFAULTS`."""
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--model", help="retrieval model folder (default: the one shipped in kvcompress/assets)")
-    parser.add_argument("--tasks", type=_names, help="comma list: passkey,mqar (default both)")
+    parser.add_argument("--tasks", type=name_list, help="comma list: passkey,mqar (default both)")
     parser.add_argument("--context", type=int, help="context tokens, BOS included (default 512)")
-    parser.add_argument("--ratios", type=_ints, help="compression ratios; budget = context // ratio (default 2,4,8)")
+    parser.add_argument("--ratios", type=int_list, help="compression ratios; budget = context // ratio (default 2,4,8)")
     parser.add_argument("--samples", type=int, help="samples per task, run as one batch (default 32)")
     parser.add_argument("--n-pairs", type=int, help="mqar: facts in the haystack, <= 10 (default 8)")
     parser.add_argument("--n-queries", type=int, help="mqar: questions asked (default 4)")
-    parser.add_argument("--prefill-chunks", type=_ints,
+    parser.add_argument("--prefill-chunks", type=int_list,
                         help="prefill chunk sizes to compare; 0 = whole prompt in one step (default 64)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=_names, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
     from ._report import add_output_arguments
 
@@ -430,13 +422,9 @@ def settings_from_args(args) -> dict:
 
 def run(args) -> dict:
     """``kvcompress bench retrieval``: run, write ``<out>/retrieval.json`` (+ .png), print a table."""
-    import sys
+    from ._report import finish, markdown_table, print_table, warn_openblas, write_json
 
-    from ._report import markdown_table, openblas_note, print_table, write_json
-
-    note = openblas_note()
-    if note:
-        print(note, file=sys.stderr)
+    warn_openblas()
     payload = run_retrieval(settings_from_args(args), progress=True)
     out = Path(getattr(args, "out", None) or DEFAULTS["out"])
     write_json(out / "retrieval.json", payload)
@@ -448,10 +436,5 @@ def run(args) -> dict:
             print(f"  {r['label']} ({r['task']}, chunk {r['prefill_chunk']}, C={r['budget']}): {r['error']}")
     if getattr(args, "markdown", False):
         print(markdown_table(cols, rows))
-    if not getattr(args, "no_plot", False):
-        try:
-            plot_retrieval(payload, out / "retrieval.png")
-        except ImportError as exc:
-            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {out / 'retrieval.json'} in {payload['seconds_total']}s", file=sys.stderr)
+    finish(payload, out / 'retrieval.json', plot_retrieval, args)
     return payload

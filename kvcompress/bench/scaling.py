@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import attrs
 import mlx.core as mx
 
-from ._report import machine_info
+from ._report import int_list, machine_info, name_list
 from .speed import _rotate
 
 __all__ = [
@@ -62,18 +62,12 @@ __all__ = [
 ]
 
 
-def _ints(v) -> tuple:
-    if isinstance(v, str):
-        v = [x for x in v.replace(",", " ").split() if x]
-    return tuple(int(x) for x in v)
-
-
 @attrs.frozen
 class ScalingSettings:
     """Contexts, budgets, methods and the model shape (defaults: the committed run)."""
 
-    contexts: tuple = attrs.field(default=(1024, 2048, 4096, 8192), converter=_ints)
-    budgets: tuple = attrs.field(default=(256, 512, 1024), converter=_ints)
+    contexts: tuple = attrs.field(default=(1024, 2048, 4096, 8192), converter=int_list)
+    budgets: tuple = attrs.field(default=(256, 512, 1024), converter=int_list)
     #: None = every registered method
     methods: Optional[tuple] = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     #: the budget whose pass also runs the full KVCache (None: budgets' middle one; 0: no full)
@@ -135,18 +129,6 @@ def _speed_settings(s: ScalingSettings):
         n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, intermediate=s.intermediate,
         vocab=s.vocab, seed=s.seed, methods=(), profile=False, dtype_probe=False,
     )
-
-
-def _make(kind: str, model, budget: int, keep: int) -> list:
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-    from kvcompress import make_prompt_cache
-
-    if kind == "full":
-        return [KVCache() for _ in model.layers]
-    if kind == "rotating":
-        return [RotatingKVCache(max_size=budget, keep=keep) for _ in model.layers]
-    return make_prompt_cache(model, kind, budget=budget)
 
 
 def _cache_bytes(cache: list) -> int:
@@ -251,14 +233,15 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     from kvcompress import get_registry, install
 
     from .retrieval import live_kv_bytes
-    from .speed import build_model
+    from .speed import build_model, make_cache
 
     s = settings or ScalingSettings()
     say = progress or (lambda m: None)
     reg = registry or get_registry()
     methods = _kinds(s, reg)
     t_start = time.perf_counter()
-    model = build_model(_speed_settings(s))
+    speed_s = _speed_settings(s)
+    model = build_model(speed_s)
     install(model)
     weights = int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
     prompt = mx.random.randint(0, s.vocab, (s.contexts[-1],), key=mx.random.key(s.seed + 1)).astype(mx.uint32)
@@ -276,12 +259,13 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
         say = pbar.write
     for budget in s.budgets:
         kinds = [*methods, "rotating"] + (["full"] if budget == s.full_pass else [])
+        pass_s = attrs.evolve(speed_s, budget=budget)
         if s.warmup:
             for kind in kinds:
                 if kind in warmed:
                     continue
                 try:
-                    w = _Runner(kind, model, _make(kind, model, budget, s.keep), prompt, decode_ids, weights)
+                    w = _Runner(kind, model, make_cache(kind, model, pass_s), prompt, decode_ids, weights)
                     w.prefill_to(min(s.contexts[-1], budget + s.prefill_step_size + 1), s.prefill_step_size)
                     w.decode(2)
                 except Exception:  # reported by the measured pass below
@@ -293,7 +277,7 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
         runners: dict[str, _Runner] = {}
         for kind in kinds:
             try:
-                runners[kind] = _Runner(kind, model, _make(kind, model, budget, s.keep), prompt, decode_ids, weights)
+                runners[kind] = _Runner(kind, model, make_cache(kind, model, pass_s), prompt, decode_ids, weights)
             except Exception as exc:
                 payload["errors"].append({"kind": kind, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
                 say(f"budget {budget} {kind}: cannot build ({exc})")
@@ -488,9 +472,9 @@ def add_arguments(parser) -> None:
     from ._report import add_output_arguments
 
     parser.add_argument("--quick", action="store_true", help="tiny model and contexts (seconds)")
-    parser.add_argument("--contexts", type=_ints, help="context checkpoints (default 1024,2048,4096,8192)")
-    parser.add_argument("--budgets", type=_ints, help="tokens per layer (default 256,512,1024)")
-    parser.add_argument("--methods", type=lambda t: tuple(x for x in t.split(",") if x),
+    parser.add_argument("--contexts", type=int_list, help="context checkpoints (default 1024,2048,4096,8192)")
+    parser.add_argument("--budgets", type=int_list, help="tokens per layer (default 256,512,1024)")
+    parser.add_argument("--methods", type=name_list,
                         help="comma list of methods (default: every registered method)")
     parser.add_argument("--full-budget", type=int, help="the budget pass that also runs the full KVCache "
                         "(default: the middle budget; 0: none)")
@@ -515,12 +499,10 @@ def run(args) -> dict:
     """Run from parsed arguments; write ``<out>/scaling.json`` (+ .png); print the table."""
     from pathlib import Path
 
-    from ._report import openblas_note, print_table, write_json
+    from ._report import finish, print_table, warn_openblas, write_json
 
     settings = settings_from_args(args)
-    note = openblas_note()
-    if note:
-        print(note, file=sys.stderr)
+    warn_openblas()
     payload = run_scaling(settings, progress=lambda m: print(m, file=sys.stderr, flush=True), bar=True)
     out = Path(getattr(args, "out", "docs/results"))
     write_json(out / "scaling.json", payload)
@@ -531,10 +513,5 @@ def run(args) -> dict:
         print(f"error: {e}", file=sys.stderr)
     if getattr(args, "markdown", False):
         print(markdown_report(payload))
-    if not getattr(args, "no_plot", False):
-        try:
-            plot_scaling(payload, out / "scaling.png")
-        except ImportError as exc:
-            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {out / 'scaling.json'} in {payload['seconds_total']:.0f}s", file=sys.stderr)
+    finish(payload, out / 'scaling.json', plot_scaling, args)
     return payload

@@ -915,12 +915,10 @@ def run(args) -> dict:
     import sys
     from pathlib import Path
 
-    from ._report import openblas_note, print_table, write_json
+    from ._report import finish, print_table, warn_openblas, write_json
 
     settings = settings_from_args(args)
-    note = openblas_note()
-    if note:
-        print(note, file=sys.stderr)
+    warn_openblas()
     payload = run_speed(settings, progress=lambda m: print(m, file=sys.stderr, flush=True))
     out, name = Path(getattr(args, "out", "docs/results")), getattr(args, "out_name", "speed")
     write_json(out / f"{name}.json", payload)
@@ -932,10 +930,5 @@ def run(args) -> dict:
                     plain=plain)
     if getattr(args, "markdown", False):
         print(markdown_report(payload))
-    if not getattr(args, "no_plot", False):
-        try:
-            plot_speed(payload, out / f"{name}.png")
-        except ImportError as exc:
-            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {out / (name + '.json')} in {payload['seconds_total']:.0f}s", file=sys.stderr)
+    finish(payload, out / (name + '.json'), plot_speed, args)
     return payload

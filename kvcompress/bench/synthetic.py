@@ -591,12 +591,10 @@ def run(args) -> dict:
     import sys
     from pathlib import Path
 
-    from ._report import openblas_note, print_table, write_json
+    from ._report import finish, print_table, warn_openblas, write_json
 
     settings = settings_from_args(args)
-    note = openblas_note()
-    if note:
-        print(note, file=sys.stderr)
+    warn_openblas()
     payload = run_synthetic(settings, progress=lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(getattr(args, "out", "docs/results"))
     write_json(out / "synthetic.json", payload)
@@ -613,10 +611,5 @@ def run(args) -> dict:
         print(f"skipped {label} in {len(where)} configuration(s) ({', '.join(where[:3])}{more}): {err}")
     if getattr(args, "markdown", False):
         print(markdown_tables(payload))
-    if not getattr(args, "no_plot", False):
-        try:
-            plot_synthetic(payload, out / "synthetic.png")
-        except ImportError as exc:
-            print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {out / 'synthetic.json'} in {payload['seconds_total']:.1f}s", file=sys.stderr)
+    finish(payload, out / 'synthetic.json', plot_synthetic, args)
     return payload
