@@ -86,3 +86,15 @@ def make_caches(model, method: str, want: int, **params) -> list:
         except ConfigError:
             b += 1
     raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")
+
+
+def assert_step_accounting(c, n_before: int, evicted_before: int, S: int) -> None:
+    """One ``update_and_fetch`` of ``S`` tokens: if ``n_before + S`` exceeds the budget, at least
+    ``n_before - (budget - 1)`` old slots left (exactly that many with the ``lowest`` selector;
+    a selector may free whole chunks), none otherwise; the S new tokens are all stored."""
+    need = max(n_before - (c.budget - 1), 0) if n_before + S > c.budget else 0
+    gone = c.evictions - evicted_before
+    assert c.size() == n_before + S - gone
+    assert gone >= need and (need > 0 or gone == 0)
+    if c.method.config.selector.name == "lowest":
+        assert gone == need

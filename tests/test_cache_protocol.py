@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
 import kvcompress.cache as kvc_cache
-from conftest import make_caches, tiny_llama
+from conftest import assert_step_accounting, make_caches, tiny_llama
 from kvcompress import CompressedKVCache, ConfigError
 
 METHODS = sorted(kvcompress.get_registry().methods)
@@ -99,18 +99,6 @@ def stored_arrays(c) -> tuple:
 
 def positions(c) -> np.ndarray:
     return np.array(c._pos)
-
-
-def assert_step_accounting(c, n_before: int, evicted_before: int, S: int) -> None:
-    """One ``update_and_fetch`` of ``S`` tokens: if ``n_before + S`` exceeds the budget, at least
-    ``n_before - (budget - 1)`` old slots left (exactly that many with the ``lowest`` selector;
-    a selector may free whole chunks), none otherwise; the S new tokens are all stored."""
-    need = max(n_before - (c.budget - 1), 0) if n_before + S > c.budget else 0
-    gone = c.evictions - evicted_before
-    assert c.size() == n_before + S - gone
-    assert gone >= need and (need > 0 or gone == 0)
-    if c.method.config.selector.name == "lowest":
-        assert gone == need
 
 
 def snapshot(c) -> tuple:
