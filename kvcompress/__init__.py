@@ -8,42 +8,41 @@ Three lines from a loaded model to a compressed generation::
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
 """
 
-from .attention import install, is_installed
+from . import ops
+from ._state import rows_field
+from .batch_cache import BatchCompressedKVCache
 from .cache import CompressedKVCache
-from .components import (
-    Budget,
-    ComponentSpec,
-    Disposition,
-    Eviction,
-    MethodSpec,
-    ModelInfo,
-    Observation,
-    Scorer,
-    Selection,
-    Selector,
-)
+from .components import Budget, ComponentSpec, Disposition, MethodSpec, Scorer, Selector
+from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Selection
 from .config import ComponentConfig, MethodConfig, load_config
 from .errors import CompositionError, ConfigError, KVCompressError, PluginError
 from .factory import KVCacheBuilder, KVCacheConfig, make_prompt_cache, model_info
 from .hookspecs import hookimpl
 from .method import Method, build_method
-from .persistence import load_prompt_cache, save_prompt_cache
+from .mlxlm.attention import install, is_installed
+from .mlxlm.loader import register as _register_with_mlx_lm
+from .persistence import CorruptCacheFile, load_prompt_cache, save_prompt_cache
 from .registry import Registry, get_registry
+
+_register_with_mlx_lm()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchCompressedKVCache",
     "Budget",
     "ComponentConfig",
     "ComponentSpec",
     "CompositionError",
     "CompressedKVCache",
     "ConfigError",
+    "CorruptCacheFile",
     "Disposition",
     "Eviction",
     "KVCacheBuilder",
     "KVCacheConfig",
     "KVCompressError",
+    "LayerInfo",
     "Method",
     "MethodConfig",
     "MethodSpec",
@@ -63,5 +62,7 @@ __all__ = [
     "load_prompt_cache",
     "make_prompt_cache",
     "model_info",
+    "ops",
+    "rows_field",
     "save_prompt_cache",
 ]

@@ -1,46 +1,56 @@
-"""The four component kinds, the records plugins register, and the contexts components receive.
+"""The four component kinds, the records plugins register, and the hooks a component may define.
 
 A *method* is one Scorer, one Selector, one Disposition and one Budget:
 
-* **Scorer** keeps a float32 score per stored slot, ``[B, H_kv, T]``, updated after every
-  attention step from the step's real queries (:class:`Observation`).
-* **Selector** picks which slots leave when the cache is over budget (:class:`Selection`).
+* **Scorer** keeps a float32 score per stored slot, ``[B, H, T]``, updated after every attention
+  step from the step's real queries (:class:`~kvcompress.Observation`).
+* **Selector** picks which slots leave when the cache is over budget (:class:`~kvcompress.Selection`).
 * **Disposition** decides what happens to the leaving slots before their storage is reused
-  (dropped, merged into survivors, quantized) (:class:`Eviction`).
-* **Budget** turns a model's shape into a per-layer number of kept tokens (:class:`ModelInfo`).
+  (dropped, merged into survivors, quantized) (:class:`~kvcompress.Eviction`).
+* **Budget** turns the model's shape into a per-layer number of kept tokens
+  (:class:`~kvcompress.ModelInfo`).
 
 Components are frozen attrs classes whose fields are their parameters, so a component *is* its
 configuration. Each declares capability strings: ``requires`` must be met by the other components
-of the method or by the cache (:data:`CACHE_PROVIDES`), which is checked when a method is built.
+of the method or by the cache (:data:`CACHE_PROVIDES`); this is checked when a method is built.
+
+Besides its kind's required methods, a component may define the *optional hooks* listed in
+:data:`OPTIONAL_HOOKS` -- and nothing that merely resembles one: a method named ``init_sate`` or
+``view_key`` is rejected when the plugin registers, instead of being silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, Protocol, runtime_checkable
+import difflib
+import inspect
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import mlx.core as mx
 
+from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Selection
+
 __all__ = [
     "KINDS",
     "CACHE_PROVIDES",
+    "REQUIRED_HOOKS",
+    "OPTIONAL_HOOKS",
     "ComponentSpec",
     "MethodSpec",
     "Scorer",
     "Selector",
     "Disposition",
     "Budget",
-    "Observation",
-    "Selection",
-    "Eviction",
-    "ModelInfo",
+    "check_hook_names",
 ]
 
-Kind = Literal["scorer", "selector", "disposition", "budget"]
 KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
 
-#: Capabilities every :class:`~kvcompress.CompressedKVCache` offers its components.
-CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries"})
+#: What every cache offers its components. ``queries``: the step's real post-RoPE queries;
+#: ``step_mass``: the attention mass of all of a step's queries, computed together with the
+#: step's attention (only done when a scorer requires it); ``layer_io``: the layer's input and
+#: attention output during a prompt's first forward (see :meth:`BudgetHooks.observe_layer`).
+CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,6 +89,7 @@ class ComponentSpec:
         missing = [f.name for f in attrs.fields(value) if f.default is attrs.NOTHING]
         if missing:
             raise ValueError(f"component {self.name!r}: parameters without a default: {missing}")
+        check_hook_names(self.kind, value, self.name)
 
     def params(self) -> dict[str, Any]:
         """Parameter names and their defaults."""
@@ -110,126 +121,19 @@ class MethodSpec:
 
 
 # --------------------------------------------------------------------------------------------
-# Contexts handed to components
-# --------------------------------------------------------------------------------------------
-
-
-@attrs.define(slots=True)
-class Observation:
-    """What a scorer sees after one attention step of one layer.
-
-    queries: ``[B, H_q, N, D]`` post-RoPE queries of the step, or key-as-query proxies
-        (``[B, H_kv, N, D]``) when ``proxy`` is true.
-    keys: ``[B, H_kv, T, D]`` every stored key the step attended, new ones last.
-    positions: ``[B, H_kv, T]`` int32 token position of each slot.
-    n_new: N, the number of tokens this step added (the last N slots).
-    scale: the softmax scale the model used.
-    mask: what the model passed to attention (None, "causal" or an array).
-    """
-
-    queries: mx.array
-    keys: mx.array
-    positions: mx.array
-    n_new: int
-    scale: float
-    mask: Any
-    layer: int
-    offset: int
-    proxy: bool = False
-    shared: dict = attrs.field(factory=dict, repr=False)
-    _cache: dict = attrs.field(factory=dict, repr=False, init=False)
-
-    def seed_attention_mass(self, mass: mx.array) -> None:
-        """Provide the all-queries mass already computed with the step's attention."""
-        self._cache[("mass", None)] = mass
-
-    def attention_mass(self, last: Optional[int] = None) -> mx.array:
-        """Attention weights summed over the step's queries, ``[B, H_kv, T]`` float32.
-
-        ``A_j = sum_i softmax_j(q_i . k_j * scale)`` over the step's queries ``i`` (or only
-        the ``last`` ones), averaged over the query heads sharing each KV head. Causal
-        masking inside the step is applied; the weights are computed in query blocks so a
-        long prefill never materialises a full ``N x T`` matrix.
-        """
-        from ._attention_math import attention_mass
-
-        key = ("mass", None if last is not None and last >= self.n_new else last)
-        if key not in self._cache:
-            self._cache[key] = attention_mass(
-                self.queries, self.keys, self.scale, self.mask, last=last
-            )
-        return self._cache[key]
-
-
-@attrs.define(slots=True)
-class Selection:
-    """What a selector sees: choose ``n_evict`` slots per (batch, head) to leave.
-
-    scores/positions are ``[B, H_kv, T]``; ``budget`` is this layer's kept-token budget.
-    A selector may return *more* than ``n_evict`` slots (e.g. whole chunks); the cache then
-    holds fewer tokens until they refill. ``shared`` is one dict per model (per
-    :func:`~kvcompress.make_prompt_cache` call) for cross-layer decisions such as index reuse.
-    """
-
-    scores: mx.array
-    positions: mx.array
-    n_evict: int
-    budget: int
-    offset: int
-    layer: int
-    shared: dict = attrs.field(factory=dict, repr=False)
-    #: the selector's own ``protected(...)`` mask, computed once by the cache (may be None)
-    protected: Optional[mx.array] = None
-
-
-@attrs.define(slots=True)
-class Eviction:
-    """What a disposition sees: the stored slots and the slots about to be freed.
-
-    keys/values ``[B, H_kv, T, D]``, scores/positions ``[B, H_kv, T]``, evict ``[B, H_kv, E]``
-    int32 slot indices, protected ``[B, H_kv, T]`` bool (the selector's never-evict mask: sinks
-    and any recent window; a merging disposition decides itself which of them may be targets). ``draw_id`` is unique per (layer, eviction round)
-    for seeded randomness.
-    """
-
-    keys: mx.array
-    values: mx.array
-    scores: mx.array
-    positions: mx.array
-    evict: mx.array
-    protected: mx.array
-    layer: int
-    draw_id: int
-    state: Any = None
-    shared: dict = attrs.field(factory=dict, repr=False)
-    #: tokens seen before this step: a slot at position p has been attended by offset - p queries
-    offset: int = 0
-
-
-@attrs.frozen
-class ModelInfo:
-    """What a budget may know about the model: its shape."""
-
-    n_layers: int
-    n_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    model_type: str = ""
-
-
-# --------------------------------------------------------------------------------------------
-# Component protocols
+# Component protocols (required members)
 # --------------------------------------------------------------------------------------------
 
 
 @runtime_checkable
 class Scorer(Protocol):
-    """Keeps a float32 importance score per stored slot."""
+    """Keeps a float32 importance score per stored slot (higher = more worth keeping)."""
 
     requires: ClassVar[frozenset]
     provides: ClassVar[frozenset]
 
     def observe(self, scores: mx.array, obs: Observation) -> mx.array:
-        """Return the new ``[B, H_kv, T]`` float32 scores after a step (new slots enter as 0)."""
+        """Return the new ``[B, H, T]`` float32 scores after a step (new slots enter as 0)."""
 
 
 @runtime_checkable
@@ -242,16 +146,12 @@ class Selector(Protocol):
     def reserved(self, budget: int) -> int:
         """Slots this selector always keeps (sinks, recent window); must stay below budget."""
 
-    def protected(self, positions: mx.array, offset: int, budget: int) -> mx.array:
-        """``[B, H_kv, T]`` bool: slots that may never leave."""
+    def protected(self, positions: mx.array, offset: mx.array, budget: mx.array) -> mx.array:
+        """``[B, H, T]`` bool: slots that may never leave (``offset``/``budget`` ``[B, 1, 1]``)."""
 
     def select(self, sel: Selection) -> mx.array:
-        """Return ``[B, H_kv, n_evict]`` int32 slot indices to evict.
-
-        A selector that frees more than ``n_evict`` slots (whole chunks) must also define
-        ``evict_count(n_evict) -> int``, the exact count it returns, so the cache can size the
-        step's mask before the step (``make_mask(N, return_array=True)``).
-        """
+        """``[B, H, evict_count(sel.n_evict)]`` int32 distinct unprotected slots to free
+        (in priority order when ``sel.row_counts`` is given)."""
 
 
 @runtime_checkable
@@ -261,25 +161,9 @@ class Disposition(Protocol):
     requires: ClassVar[frozenset]
     provides: ClassVar[frozenset]
 
-    def dispose(self, ev: Eviction) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """Return ``(keys, values, scores, n_merged)`` after folding in the evicted slots.
-
-        ``n_merged`` is an int32 scalar array counting merges, or None for a disposition that
-        never merges (which spares the cache an op per step).
-
-        Optional methods a disposition that keeps evicted tokens elsewhere (e.g. quantized)
-        may define; the cache calls them when present:
-
-        * ``init_state() -> state``: per-cache mutable state, passed back as ``ev.state``.
-        * ``attend(state, queries, keys, values, scale, mask, sinks, sdpa) -> out``: the layer's
-          attention over the stored slots *and* whatever the state holds (``sdpa`` is mlx-lm's
-          original function for the plain part).
-        * ``state_arrays(state) -> list[mx.array]`` / ``restore_state(arrays) -> state``: for
-          ``cache.state``, save/load and ``nbytes``.
-        * ``view_keys(state, keys, positions, offset) -> keys``: the keys a step attends (and
-          scorers observe), derived from the stored ones after every update (e.g. re-rotated
-          to contiguous positions for StreamingLLM's position shift); storage is unchanged.
-        """
+    def dispose(self, ev: Eviction) -> tuple[mx.array, mx.array, mx.array]:
+        """Return ``(keys, values, scores)`` after folding in the slots ``ev.evict`` frees
+        (only the entries ``ev.real`` marks; never into protected or empty slots)."""
 
 
 @runtime_checkable
@@ -290,9 +174,96 @@ class Budget(Protocol):
     provides: ClassVar[frozenset]
 
     def layer_budgets(self, info: ModelInfo) -> list[int]:
-        """Kept tokens for each of ``info.n_layers`` layers.
+        """Kept tokens for each of the model's ``info.n_layers`` compressed layers (all ranks)."""
 
-        Any component may also define ``bind(model, caches)``; :func:`~kvcompress.make_prompt_cache`
-        calls it once per model after the caches exist (e.g. a data-driven budget installs its
-        prompt observers there and later sets ``cache.budget``).
-        """
+
+# --------------------------------------------------------------------------------------------
+# Optional hooks (documentation classes; the cache calls only these names)
+# --------------------------------------------------------------------------------------------
+
+
+class CommonHooks:
+    """Optional hooks any component may define."""
+
+    def init_state(self, layer: LayerInfo) -> Any:
+        """Per-cache state (an attrs instance of arrays and scalars) kept in the cache: it travels
+        with deep copies, ``cache.state``, save/load and batching. Arrays with a leading batch
+        axis are per row when their field is declared with :func:`kvcompress.rows_field`."""
+
+    def diagnostics(self, state: Any) -> dict:
+        """Extra entries for ``cache.diagnostics`` (e.g. a merge counter), from the state."""
+
+    def take_rows(self, state: Any, rows: list) -> Any:
+        """The state of the given batch rows (default: index every rows field)."""
+
+    def stack_rows(self, states: list) -> Any:
+        """One state from per-row-group states, in order (default: concatenate rows fields)."""
+
+    def bind(self, model: Any, caches: list) -> None:
+        """Read static facts from the model into the caches' states (called once at build)."""
+
+
+class SelectorHooks:
+    def evict_count(self, n_evict: int) -> int:
+        """Slots :meth:`Selector.select` frees when ``n_evict`` are needed (whole chunks)."""
+
+
+class DispositionHooks:
+    def attend(self, state, queries, keys, values, scale, mask, sinks, sdpa) -> mx.array:
+        """The layer's attention over the stored slots *and* whatever the state holds."""
+
+    def view_keys(self, state, keys: mx.array, positions: mx.array, offset: mx.array) -> mx.array:
+        """The keys a step attends (and scorers observe), derived from the stored ones."""
+
+
+class BudgetHooks:
+    def observe_layer(self, state, x: mx.array, out: mx.array, weight) -> Any:
+        """Requires ``layer_io``: see the layer's input ``x`` and attention output ``out``
+        ``[B, N, d]`` during a prompt's first forward; return the new state."""
+
+    def rebudget(self, states: list, budgets: list, min_budget: int):
+        """Once every layer observed the prompt: new per-layer, per-row budgets, or None."""
+
+
+REQUIRED_HOOKS = {
+    "scorer": ("observe",),
+    "selector": ("reserved", "protected", "select"),
+    "disposition": ("dispose",),
+    "budget": ("layer_budgets",),
+}
+_COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
+#: Optional hook names per kind (see the *Hooks classes above for their signatures).
+OPTIONAL_HOOKS = {
+    "scorer": _COMMON,
+    "selector": _COMMON + ("evict_count",),
+    "disposition": _COMMON + ("attend", "view_keys"),
+    "budget": _COMMON + ("observe_layer", "rebudget"),
+}
+
+
+def _own_methods(cls: type) -> list[str]:
+    names = set()
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith(("attr", "typing")):
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))):
+                names.add(name)
+    return sorted(names)
+
+
+def check_hook_names(kind: str, cls: type, name: str = "") -> None:
+    """Raise ValueError if ``cls`` defines a method that looks like a hook of ``kind`` but is not one."""
+    hooks = set(REQUIRED_HOOKS[kind]) | set(OPTIONAL_HOOKS[kind])
+    everything = {h for k in KINDS for h in REQUIRED_HOOKS[k] + OPTIONAL_HOOKS[k]}
+    for meth in _own_methods(cls):
+        if meth in everything:
+            continue  # a hook of this kind, or (never called) a helper named like another kind's
+        near = difflib.get_close_matches(meth, sorted(everything), n=1, cutoff=0.8)
+        if near:
+            what = "a hook of this kind" if near[0] in hooks else f"a hook of another kind, not of a {kind}"
+            raise ValueError(
+                f"{kind} {name or cls.__name__!r}: method {meth!r} looks like {near[0]!r}, which is "
+                f"{what}; {kind} hooks are {sorted(hooks)} (rename it, or make it private with a "
+                "leading underscore)"
+            )

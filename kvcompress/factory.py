@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .attention import install
 from .cache import CompressedKVCache
-from .components import ModelInfo
-from .config import MethodConfig
+from .config import MethodConfig, load_config
+from .contexts import LayerInfo, ModelInfo
 from .errors import ConfigError
+from .group import new_group
 from .method import Method, build_method
+from .mlxlm.attention import install, install_layer_io
 from .registry import Registry
 
-__all__ = ["make_prompt_cache", "model_info", "KVCacheConfig", "KVCacheBuilder"]
+__all__ = ["make_prompt_cache", "model_info", "default_cache", "KVCacheConfig", "KVCacheBuilder"]
 
 
 def _attention_modules(model: nn.Module) -> list:
@@ -38,46 +40,80 @@ def model_info(model: nn.Module, n_layers: Optional[int] = None) -> ModelInfo:
     )
 
 
+def default_cache(model: nn.Module) -> list:
+    """The model's own cache list (its class's ``make_cache``, else one ``KVCache`` per layer).
+
+    Reads the *class* method, so a ``model.make_cache`` attribute that returns compressed caches
+    (see :func:`kvcompress.attach`) does not recurse.
+    """
+    make = getattr(type(model), "make_cache", None)
+    return make(model) if make is not None else [KVCache() for _ in model.layers]
+
+
+def _windowed(model: nn.Module) -> bool:
+    """Whether the model masks full-attention KVCache layers with a sliding window."""
+    args = getattr(model, "args", None) or getattr(getattr(model, "model", None), "args", None)
+    window = getattr(args, "sliding_window", None)
+    if not window:
+        return False
+    types = getattr(args, "layer_types", None)
+    return types is None or all(t != "full_attention" for t in types)
+
+
 def make_prompt_cache(
     model: nn.Module,
     method: Union[str, MethodConfig, Method, dict, None] = "cam",
     *,
+    config: Union[str, Path, dict, MethodConfig, None] = None,
     registry: Optional[Registry] = None,
     **params: Any,
 ) -> list:
     """A prompt cache for ``mlx_lm.generate(..., prompt_cache=...)`` with every full-attention
     layer compressed by ``method``.
 
-    ``make_prompt_cache(model, method="cam", budget=64)`` or a composition:
-    ``make_prompt_cache(model, None, scorer="h2o", selector="lowest",
-    disposition="gated_merge", budget={"name": "uniform", "budget": 64})``. Layers whose default
-    cache is not a plain ``KVCache`` (sliding-window, SSM state) keep their default cache.
-    Installs the query-observing attention wrapper (:func:`kvcompress.install`).
+    ``make_prompt_cache(model, method="cam", budget=64)``; a config file or dict:
+    ``make_prompt_cache(model, config="cam.toml")``; or a composition:
+    ``make_prompt_cache(model, None, scorer="h2o", selector="lowest", disposition="gated_merge",
+    budget={"name": "uniform", "budget": 64})``. Layers whose default cache is not a plain
+    ``KVCache`` (sliding-window, SSM state) keep their default cache. Installs the
+    query-observing attention wrapper (:func:`kvcompress.install`).
     """
+    if config is not None:
+        if method not in ("cam", None):
+            raise ConfigError("give either a method or config=..., not both")
+        method = config if isinstance(config, MethodConfig) else load_config(config)
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **params)
     if isinstance(method, Method) and params:
         raise ConfigError("pass parameters to build_method, not with an already built Method")
-    default = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    default = default_cache(model)
     slots = [i for i, c in enumerate(default) if type(c) is KVCache]
     if not slots:
         raise ConfigError(f"{type(model).__name__} has no full-attention KVCache layers to compress")
+    if _windowed(model):
+        raise ConfigError(
+            f"{type(model).__name__} masks its full-attention layers with a sliding window; "
+            "kvcompress caches do not support sliding-window attention"
+        )
     info = model_info(model, n_layers=len(slots))
     budgets = m.budget.layer_budgets(info)
     if len(budgets) != len(slots):
         raise ConfigError(
-            f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for "
-            f"{len(slots)} layers"
+            f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {len(slots)} layers"
         )
     install(model)
+    if "layer_io" in m.budget.requires:
+        install_layer_io(model, slots)
     caches = list(default)
-    shared: dict = {}
+    group = new_group()
     for layer, (i, b) in enumerate(zip(slots, budgets)):
-        caches[i] = CompressedKVCache(m, int(b), layer=layer, shared=shared)
+        li = LayerInfo(
+            layer=layer, n_layers=len(slots), n_kv_heads=info.n_kv_heads, model_type=info.model_type, block=i
+        )
+        caches[i] = CompressedKVCache(m, int(b), info=li, group=group)
     compressed = [caches[i] for i in slots]
-    for kind in ("scorer", "selector", "disposition", "budget"):
-        bind = getattr(m.component(kind), "bind", None)
-        if bind is not None:
-            bind(model, compressed)
+    for kind, hooks in m.hooks().items():
+        if "bind" in hooks:
+            hooks["bind"](model, compressed)
     return caches
 
 

@@ -17,4 +17,4 @@ class Drop:
     provides: ClassVar[frozenset] = frozenset()
 
     def dispose(self, ev):
-        return ev.keys, ev.values, ev.scores, None
+        return ev.keys, ev.values, ev.scores

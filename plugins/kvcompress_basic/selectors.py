@@ -8,16 +8,19 @@ import attrs
 import mlx.core as mx
 from attrs.validators import ge, instance_of, lt
 
+from kvcompress.ops import lowest_k
+
 __all__ = ["LowestScoreSelector"]
 
 
 @attrs.frozen
 class LowestScoreSelector:
-    """Evict the ``E`` unprotected slots with the lowest score, per (batch, KV head).
+    """Evict the ``E`` unprotected slots with the lowest score, per (row, KV head).
 
     Protected: the first ``n_sink`` positions (attention sinks) and the most recent
-    ``max(recent, floor(recent_ratio * budget))`` positions. With ``E = 1`` (decode) this is an
-    ``argmin``; otherwise an ``argpartition`` -- never a full sort.
+    ``r = max(recent, floor(recent_ratio * budget))`` positions. Ties go to the older token
+    (:func:`kvcompress.ops.lowest_k`), so the choice never depends on slot order. With ``E = 1``
+    (decode) this is a pair of reductions; otherwise an ``argpartition`` -- never a full sort.
     """
 
     n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
@@ -27,22 +30,22 @@ class LowestScoreSelector:
     requires: ClassVar[frozenset] = frozenset()
     provides: ClassVar[frozenset] = frozenset({"protection"})
 
-    def recent_window(self, budget: int) -> int:
+    def recent_window(self, budget):
+        """``r`` for an int budget, or per row for a ``[B, 1, 1]`` budget array."""
+        if isinstance(budget, mx.array):
+            return mx.maximum(self.recent, mx.floor(budget.astype(mx.float32) * self.recent_ratio).astype(mx.int32))
         return max(self.recent, int(self.recent_ratio * budget))
 
     def reserved(self, budget: int) -> int:
         return self.n_sink + self.recent_window(budget)
 
-    def protected(self, positions: mx.array, offset: int, budget: int) -> mx.array:
+    def protected(self, positions: mx.array, offset: mx.array, budget) -> mx.array:
         keep = positions < self.n_sink
         r = self.recent_window(budget)
-        if r:
+        if isinstance(r, mx.array) or r:
             keep = keep | (positions >= offset - r)
         return keep
 
     def select(self, sel) -> mx.array:
-        prot = sel.protected if sel.protected is not None else self.protected(sel.positions, sel.offset, sel.budget)
-        s = mx.where(prot, mx.inf, sel.scores)
-        if sel.n_evict == 1:
-            return mx.argmin(s, axis=-1, keepdims=True)
-        return mx.argpartition(s, kth=sel.n_evict - 1, axis=-1)[..., : sel.n_evict]
+        key = mx.where(sel.protected, mx.inf, sel.scores)
+        return lowest_k(key, sel.positions, sel.n_evict, ordered=sel.row_counts is not None)

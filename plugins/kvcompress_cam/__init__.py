@@ -2,9 +2,9 @@
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .merge import GatedMerge
+from .merge import GatedMerge, MergeState
 
-__all__ = ["GatedMerge"]
+__all__ = ["GatedMerge", "MergeState"]
 
 PAPER = "https://proceedings.mlr.press/v235/zhang24n.html"
 

@@ -4,7 +4,9 @@ For each evicted slot ``l`` (per batch, KV head):
 
 * **gate** (Eq. 14): ``p = clamp(A_l / A_t, 0, 1)``, ``merge ~ Bernoulli(p)``, with ``A`` the
   scorer's attention mass and ``A_t`` the target's score (``target="nearest"``) or the mean score
-  of the target window (``target="window"``). Draws are seeded by ``(seed, layer, draw id)``.
+  of the target window (``target="window"``). Each draw is a hash of ``(seed, layer, KV head,
+  tokens the row has seen, the loser's position)`` -- global identities and row-local facts, so
+  a sequence draws the same alone, in any batch row, or with its heads split across machines.
 * **target**: ``"nearest"`` -- the non-sink survivor whose key is most cosine-similar to ``k_l``;
   ``"window"`` -- the paper's rule, the next ``merge_window`` (m) kept tokens after ``l``.
 * **blend**: nearest: ``x_t <- (1 - w) x_t + w x_l`` with
@@ -19,23 +21,28 @@ For each evicted slot ``l`` (per batch, KV head):
 
 ``merge="drop"`` does nothing at all, so the method is bit-for-bit the drop method.
 
+Only the entries ``ev.real`` marks leave (a batch row may free fewer slots than others); empty
+slots (position ``-1``) and sinks are never targets. Merges are counted per row and head in the
+disposition's state (``diagnostics``: merges per KV head, per row).
+
 A decode step (one loser per row) runs the nearest-target merge as one ``mx.compile``d
-function of the arrays (compiled once per shape and configuration; the seed, layer, draw id
-and offset enter as array scalars, so they never trigger a retrace): the same operations,
-fused. ``KVCOMPRESS_NO_COMPILE=1`` runs them eagerly.
+function of the arrays (compiled once per shape and configuration; seeds, offsets and head ids
+enter as arrays, so they never trigger a retrace): the same operations, fused.
+``KVCOMPRESS_NO_COMPILE=1`` runs them eagerly.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, ClassVar, Literal
+from typing import Callable, ClassVar, Literal, Optional
 
 import attrs
 import mlx.core as mx
 from attrs.validators import ge, in_, instance_of
 
-__all__ = ["GatedMerge", "gate_probability", "bernoulli_gate", "gate_uniforms"]
+from kvcompress import rows_field
 
+__all__ = ["GatedMerge", "MergeState", "gate_probability", "bernoulli_gate", "gate_uniforms"]
 
 
 def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
@@ -54,34 +61,35 @@ def _mix32(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def _gate_base(seed: int, layer: int, draw_id: int) -> int:
-    return (seed * 0x9E3779B1 + layer * 0x85EBCA77 + draw_id * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+def _seed_base(seed: int, layer: int) -> int:
+    return (seed * 0x9E3779B1 + layer * 0x85EBCA77 + 0x27D4EB2F) & 0xFFFFFFFF
 
 
-def gate_uniforms(shape: tuple, seed: int, layer: int, draw_id: int) -> mx.array:
-    """Uniforms in [0, 1) indexed by (seed, layer, draw id, batch row, head, loser).
-
-    Each value depends only on its own index, never on the batch size or on ``mx.random``'s
-    global state, so a sequence gets the same draws alone or inside any batch.
-    """
-    return _uniforms(shape, mx.array(_gate_base(seed, layer, draw_id), mx.uint32))
+def _u32(x) -> mx.array:
+    return (x if isinstance(x, mx.array) else mx.array(x)).astype(mx.uint32)
 
 
-def _uniforms(shape: tuple, base: mx.array) -> mx.array:
-    """:func:`gate_uniforms` with the draw's base hash as a uint32 array scalar."""
-    idx = mx.zeros(shape, mx.uint32)
-    stride = 1
-    for axis in range(len(shape) - 1, -1, -1):  # row-major index over a fixed-size grid
-        ar = mx.arange(shape[axis], dtype=mx.uint32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
-        idx = idx + ar * mx.array(stride * 0x9E3779B1 & 0xFFFFFFFF, mx.uint32)
-        stride = stride * 0x10001 + 1
-    bits = _mix32(_mix32(idx ^ base) + (base >> 7))
+def _uniforms(base: mx.array, heads: mx.array, offset: mx.array, pos: mx.array) -> mx.array:
+    """Uniforms in [0, 1) from the uint32 hash of (base, head, offset, loser position)."""
+    h = _mix32(base ^ _mix32(_u32(heads) * mx.array(0x9E3779B1, mx.uint32) + mx.array(0x68E31DA4, mx.uint32)))
+    h = _mix32(h ^ (_u32(offset) * mx.array(0x85EBCA77, mx.uint32)))
+    bits = _mix32(h ^ (_u32(pos) * mx.array(0xC2B2AE3D, mx.uint32) + mx.array(0x165667B1, mx.uint32)))
     return (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24))
 
 
-def bernoulli_gate(p: mx.array, seed: int, layer: int, draw_id: int) -> mx.array:
-    """``merge ~ Bernoulli(p)``, reproducible from (seed, layer, draw id), batch-independent."""
-    return gate_uniforms(p.shape, seed, layer, draw_id) < p
+def gate_uniforms(seed: int, layer: int, heads, offset, positions) -> mx.array:
+    """Uniforms in [0, 1) indexed by (seed, global layer, global KV head, tokens seen, position).
+
+    ``heads`` ``[1, H, 1]``, ``offset`` ``[B, 1, 1]`` and ``positions`` ``[B, H, E]`` broadcast to
+    the result's shape. Each value depends only on its own indices, never on the batch, the slot
+    order or ``mx.random``'s global state.
+    """
+    return _uniforms(mx.array(_seed_base(seed, layer), mx.uint32), heads, offset, positions)
+
+
+def bernoulli_gate(p: mx.array, seed: int, layer: int, heads, offset, positions) -> mx.array:
+    """``merge ~ Bernoulli(p)`` with :func:`gate_uniforms` draws."""
+    return gate_uniforms(seed, layer, heads, offset, positions) < p
 
 
 def _evicted_mask(evict: mx.array, t: int) -> mx.array:
@@ -95,6 +103,13 @@ def _scatter_add(x: mx.array, idx: mx.array, delta: mx.array) -> mx.array:
     bi = mx.arange(b).reshape(b, *([1] * (idx.ndim - 1)))
     hi = mx.arange(h).reshape(1, h, *([1] * (idx.ndim - 2)))
     return x.at[bi, hi, idx].add(delta)
+
+
+@attrs.define
+class MergeState:
+    """Merges done so far, per batch row and KV head (``[B, H]`` int32)."""
+
+    merges: Optional[mx.array] = rows_field()
 
 
 @attrs.frozen
@@ -115,12 +130,31 @@ class GatedMerge:
     requires: ClassVar[frozenset] = frozenset({"attention_mass"})
     provides: ClassVar[frozenset] = frozenset()
 
+    def init_state(self, layer) -> MergeState:
+        return MergeState()
+
+    def diagnostics(self, state: Optional[MergeState]) -> dict:
+        """``merges``: evicted tokens merged into a survivor, per row (mean over KV heads)."""
+        if state is None or state.merges is None:
+            return {"merges": [0.0]}
+        return {"merges": [float(x) for x in state.merges.astype(mx.float32).mean(axis=1).tolist()]}
+
     def dispose(self, ev):
         if self.merge == "drop":
-            return ev.keys, ev.values, ev.scores, None
-        if self.target == "nearest":
-            return self._merge_nearest(ev)
-        return self._merge_window(ev)
+            return ev.keys, ev.values, ev.scores
+        fn = self._merge_nearest if self.target == "nearest" else self._merge_window
+        keys, values, scores, done = fn(ev)
+        if isinstance(ev.state, MergeState):
+            m = done if ev.state.merges is None else ev.state.merges + done
+            if ev.draw_id % 128 == 127:  # keep the lazy counter's graph from growing unbounded
+                mx.async_eval(m)
+            ev.state = attrs.evolve(ev.state, merges=m)
+        return keys, values, scores
+
+    def _draw_inputs(self, ev):
+        b, h = ev.evict.shape[:2]
+        base = mx.array(_seed_base(self.seed, ev.layer.layer), mx.uint32)
+        return base, ev.layer.head_ids(h), ev.offset
 
     # -- the design note's rule: one most-similar survivor ---------------------------------
 
@@ -131,12 +165,9 @@ class GatedMerge:
     def _merge_nearest(self, ev):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
         fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single)
-        keys, values, scores, count = fn(
-            ev.keys, ev.values, ev.scores, ev.positions, ev.evict,
-            mx.array(max(ev.offset, 1), mx.float32),
-            mx.array(_gate_base(self.seed, ev.layer, ev.draw_id), mx.uint32),
-        )
-        return keys, values, scores, count
+        real = ev.real if ev.real is not None else mx.array(True)
+        base, heads, off = self._draw_inputs(ev)
+        return fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, off, base, heads)
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
@@ -164,8 +195,12 @@ class GatedMerge:
         s_win = mx.take_along_axis(ev.scores, flat_t, axis=-1).reshape(b, h, e, m)
         mean_t = (s_win * valid).sum(-1) / mx.maximum(count, 1.0)
         do = count > 0
+        if ev.real is not None:
+            do = do & ev.real
         if self.merge_gate:
-            do = do & bernoulli_gate(gate_probability(s_l, mean_t), self.seed, ev.layer, ev.draw_id)
+            base, heads, off = self._draw_inputs(ev)
+            pos_l = mx.take_along_axis(ev.positions, ev.evict, axis=-1)
+            do = do & (_uniforms(base, heads, off, pos_l) < gate_probability(s_l, mean_t))
         share = mx.where(valid & do[..., None], 1.0 / mx.maximum(count, 1.0)[..., None], 0.0)  # [B,H,E,m]
 
         def add(x):
@@ -175,10 +210,11 @@ class GatedMerge:
 
         values = add(ev.values)
         keys = add(ev.keys) if self.merge_keys else ev.keys
+        done = do.astype(mx.int32).sum(axis=-1)
         if not self.transfer_mass:
-            return keys, values, ev.scores, do.astype(mx.int32).sum()
+            return keys, values, ev.scores, done
         scores = _scatter_add(ev.scores, flat_t, (share * s_l[..., None]).reshape(b, h, e * m))
-        return keys, values, scores, do.astype(mx.int32).sum()
+        return keys, values, scores, done
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +232,7 @@ def _nearest_target(keys, positions, evict, n_sink: int):
     norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))  # [B,H,T]
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
     cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
-    invalid = positions < n_sink
+    invalid = positions < n_sink  # sinks, and empty slots (position -1)
     if evict.shape[-1] == 1:
         invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
     else:
@@ -209,6 +245,7 @@ def _nearest_target(keys, positions, evict, n_sink: int):
 
 def _prominence_share(positions, evict, target, s_l, s_t, off):
     """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
+    off = off.astype(mx.float32)
     p_l = mx.take_along_axis(positions, evict, axis=-1).astype(mx.float32)
     p_t = mx.take_along_axis(positions, target, axis=-1).astype(mx.float32)
     a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
@@ -219,20 +256,21 @@ def _prominence_share(positions, evict, target, s_l, s_t, off):
 
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
                       single: bool) -> Callable:
-    """``f(keys, values, scores, positions, evict, offset, base) -> (keys, values, scores, merges)``
-    for one configuration; compiled when ``single`` (decode: fixed shapes, one loser per row)."""
+    """``f(keys, values, scores, positions, evict, real, offset, base, heads) -> (keys, values,
+    scores, merges [B, H])`` for one configuration; compiled when ``single`` (decode)."""
     cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single)
     fn = _FNS.get(cfg)
     if fn is not None:
         return fn
 
-    def merge_fn(keys, values, scores, positions, evict, off, base):
+    def merge_fn(keys, values, scores, positions, evict, real, off, base, heads):
         target, cos, has = _nearest_target(keys, positions, evict, n_sink)
         s_l = mx.take_along_axis(scores, evict, axis=-1)
         s_t = mx.take_along_axis(scores, target, axis=-1)
-        do = has
+        do = has & real
         if gate:
-            do = do & (_uniforms(s_l.shape, base) < gate_probability(s_l, s_t))
+            pos_l = mx.take_along_axis(positions, evict, axis=-1)
+            do = do & (_uniforms(base, heads, off, pos_l) < gate_probability(s_l, s_t))
         if merge == "sim_weighted":
             w = mx.maximum(cos, 0.0) * _prominence_share(positions, evict, target, s_l, s_t, off)
             do = do & (w > 0)  # w = 0: nothing would move, so it is not counted as a merge
@@ -249,7 +287,7 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
 
         new_values = blend(values)
         new_keys = blend(keys) if merge_keys else keys
-        count = do.astype(mx.int32).sum()
+        count = do.astype(mx.int32).sum(axis=-1)
         if not transfer_mass:
             return new_keys, new_values, scores, count
         moved = mx.where(do, s_l, 0.0)

@@ -15,9 +15,13 @@ positions, the ``recent`` most recent ones) and the *open* chunk still being fil
 whole chunks are ever evicted, every other chunk is complete, so every head frees exactly
 ``c * ceil(E / c)`` slots and the cache stays rectangular.
 
+Chunks with equal scores go to the older chunk (lowest start position), so the choice does
+not depend on slot order or batch layout; with per-row counts (a batch whose rows free different
+numbers of slots) chunks come out in priority order.
+
 Layer-wise index reuse (ChunkKV Sec. "Layer-wise Index Reuse"): with ``reuse_layers = R > 1``
 the first layer of each group of ``R`` adjacent layers selects and the others evict the same
-slots, shared through :attr:`Selection.shared`. This is exact because layers that always evict
+slots, shared through the prompt's group (``sel.group.scratch``, within one step). This is exact because layers that always evict
 the same slots keep identical slot layouts; a layer whose budget or length differs from its
 group's first layer (e.g. under a pyramid budget) selects on its own scores instead.
 """
@@ -31,6 +35,8 @@ from typing import ClassVar
 import attrs
 import mlx.core as mx
 from attrs.validators import ge, instance_of
+
+from kvcompress.ops import lowest_k
 
 __all__ = ["ChunkSelector"]
 
@@ -77,52 +83,46 @@ class ChunkSelector:
         (the cache uses it to size array masks before the step)."""
         return self.chunk * -(-n_evict // self.chunk)
 
-    def protected(self, positions: mx.array, offset: int, budget: int) -> mx.array:
+    def protected(self, positions: mx.array, offset: mx.array, budget) -> mx.array:
         keep = positions < self.n_sink
         if self.recent:
             keep = keep | (positions >= offset - self.recent)
         return keep
 
-    def chunk_scores(self, scores: mx.array, positions: mx.array, offset: int, budget: int, protected=None):
-        """``(order, key)``: slots sorted by position, and per sorted slot the summed score of
-        the complete, unprotected chunk starting there (``+inf`` everywhere else)."""
+    def chunk_scores(self, scores: mx.array, positions: mx.array, offset: mx.array, protected: mx.array):
+        """``(order, key, start)``: slots sorted by position; per sorted slot the summed score of
+        the complete, unprotected chunk starting there (``+inf`` everywhere else), and its position."""
         c = self.chunk
-        if protected is None:
-            protected = self.protected(positions, offset, budget)
         order = mx.argsort(positions, axis=-1)
         pos = mx.take_along_axis(positions, order, axis=-1)
         s = mx.take_along_axis(scores.astype(mx.float32), order, axis=-1)
         prot = mx.take_along_axis(protected, order, axis=-1)
-        cid = pos // c
-        if offset % c:
-            prot = prot | (cid == (offset - 1) // c)  # the open chunk is still filling
+        cid = mx.where(pos >= 0, pos // c, -1)
+        open_ = (offset % c != 0) & (cid == (offset - 1) // c)  # the open chunk is still filling
+        prot = prot | open_ | (pos < 0)
         first = mx.concatenate([mx.ones(cid.shape[:-1] + (1,), mx.bool_), cid[..., 1:] != cid[..., :-1]], axis=-1)
         complete = first & (_shifted(cid, c, -1)[-1] == cid)
         total = reduce(mx.add, _shifted(s, c, 0.0))
         touched = reduce(mx.logical_or, _shifted(prot, c, False))
         key = mx.where(complete & ~touched, total, mx.inf)
-        return order, key
+        return order, key, pos
 
     def select(self, sel) -> mx.array:
         c = self.chunk
         reuse = self.reuse_layers > 1
         if reuse:
-            store = sel.shared.setdefault(_REUSE_KEY, {})
-            head = sel.layer - sel.layer % self.reuse_layers
-            stamp = (sel.offset, sel.budget, tuple(sel.positions.shape), sel.n_evict)
+            store = sel.group.scratch.setdefault(_REUSE_KEY, {}) if sel.group is not None else {}
+            layer = sel.layer.layer
+            head = layer - layer % self.reuse_layers
+            stamp = (sel.offsets, str(sel.budget), tuple(sel.positions.shape), sel.n_evict)
             rec = store.get(head)
-            if sel.layer != head and rec is not None and rec[0] == stamp:
+            if layer != head and rec is not None and rec[0] == stamp:
                 return rec[1]
-        order, key = self.chunk_scores(
-            sel.scores, sel.positions, sel.offset, sel.budget, getattr(sel, "protected", None)
-        )
+        order, key, pos = self.chunk_scores(sel.scores, sel.positions, sel.offset, sel.protected)
         k = self.evict_count(sel.n_evict) // c
-        if k == 1:
-            starts = mx.argmin(key, axis=-1, keepdims=True)
-        else:
-            starts = mx.argpartition(key, kth=k - 1, axis=-1)[..., :k]
+        starts = lowest_k(key, pos, k, ordered=sel.row_counts is not None)
         sorted_idx = (starts[..., None] + mx.arange(c)).reshape(*starts.shape[:-1], k * c)
         evict = mx.take_along_axis(order, sorted_idx, axis=-1).astype(mx.int32)
-        if reuse and sel.layer == head:
+        if reuse and layer == head:
             store[head] = (stamp, evict)
         return evict

@@ -44,7 +44,6 @@ from kvcompress.errors import ConfigError
 
 __all__ = ["KiviQuant", "KiviState", "kivi_quantize", "quantize_keys", "quantize_values"]
 
-_ZERO = mx.array(0, dtype=mx.int32)
 _QUERY_BLOCK = 256  # queries per block in attend(): bounds the [.., N, T] logits of a long chunk
 
 
@@ -173,43 +172,15 @@ class KiviQuant:
     requires: ClassVar[frozenset] = frozenset()
     provides: ClassVar[frozenset] = frozenset({"quantized_store"})
 
-    # -- optional disposition protocol -------------------------------------------------------
+    # -- optional disposition hooks ---------------------------------------------------------
 
-    def init_state(self) -> KiviState:
+    def init_state(self, layer) -> KiviState:
         return KiviState()
 
-    def state_arrays(self, state: Optional[KiviState]) -> list:
-        """``[]`` before the first eviction, else the eight arrays of :class:`KiviState`
-        (an empty part is a zero-length array, so the layout is fixed)."""
-        if state is None or state.empty:
-            return []
-        out = state.arrays()
-        if state.n_quantized == 0:
-            b, h, _, dk = state.buf_k.shape
-            dv = state.buf_v.shape[-1]
-            dp = dv + (-dv % self.group)
-            dt = state.buf_k.dtype
-            out[:6] = [
-                mx.zeros((b, h, dk, 0), mx.uint32),
-                mx.zeros((b, h, dk, 0), dt),
-                mx.zeros((b, h, dk, 0), dt),
-                mx.zeros((b, h, 0, dp * self.bits // 32), mx.uint32),
-                mx.zeros((b, h, 0, dp // self.group), dt),
-                mx.zeros((b, h, 0, dp // self.group), dt),
-            ]
-        return out
-
-    def restore_state(self, arrays: list) -> KiviState:
-        if not arrays:
-            return KiviState()
-        if len(arrays) != 8:
-            raise ConfigError(f"kivi_quant state has 8 arrays, got {len(arrays)}")
-        kq, ks, kb, vq, vs, vb, buf_k, buf_v = arrays
-        st = KiviState(buf_k=buf_k, buf_v=buf_v)
-        if vq.shape[2] > 0:
-            st.kq, st.ks, st.kb = kq.astype(mx.uint32), ks, kb
-            st.vq, st.vs, st.vb = vq.astype(mx.uint32), vs, vb
-        return st
+    def diagnostics(self, state) -> dict:
+        if not isinstance(state, KiviState):
+            return {}
+        return {"quantized_tokens": state.n_quantized, "buffered_tokens": state.n_buffered}
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -221,12 +192,16 @@ class KiviQuant:
                 "kivi_quant keeps evicted tokens in per-cache state; use it through "
                 "CompressedKVCache (which calls init_state), not dispose() alone"
             )
+        if ev.real is not None:
+            raise ConfigError(
+                "kivi_quant cannot yet batch rows that free different numbers of tokens in one step"
+            )
         pos = mx.take_along_axis(ev.positions, ev.evict, axis=-1)
         evict = mx.take_along_axis(ev.evict, mx.argsort(pos, axis=-1), axis=-1)[..., None]
         k_out = mx.take_along_axis(ev.keys, evict, axis=2)
         v_out = mx.take_along_axis(ev.values, evict, axis=2)
         self._push(state, k_out, v_out)
-        return ev.keys, ev.values, ev.scores, _ZERO
+        return ev.keys, ev.values, ev.scores
 
     def _push(self, state: KiviState, k: mx.array, v: mx.array) -> None:
         buf_k = _cat(state.buf_k, k, axis=2)

@@ -18,33 +18,35 @@ Pooling is done per query head, then averaged over the heads sharing a KV head (
 rule; the reference selects per query head, which stores ``H_q`` heads). Slots are pooled in
 *position* order: decode reuses freed slots, so slot order is not position order.
 
-When scores are recomputed (an *event*): on every multi-token step (prefill chunks), and, if
-``interval > 0``, on decode steps whose offset is a multiple of ``interval``. Between events
-scores are left unchanged and a new token enters at 0.
+When scores are recomputed (an *event*, per row): on every multi-token step with real tokens
+in that row (prefill chunks), and, if ``interval > 0``, on decode steps whose offset is a multiple
+of ``interval``. Between events scores are left unchanged and a new token enters at 0.
 
 * ``interval = 0`` (default; the reference compresses once, at prefill): each multi-token step
-  is one SnapKV compression with that step's last ``min(N, w)`` queries (a chunked prefill runs
-  SnapKV per chunk). The cache keeps the prompt tokens SnapKV chose, and generated tokens leave,
-  oldest first, as they fall out of the protected window. The scorer keeps no state outside
-  ``cache.state``, so save/load continues exactly.
+  is one SnapKV compression with that row's last ``min(N, w)`` real queries (a chunked prefill
+  runs SnapKV per chunk). The cache keeps the prompt tokens SnapKV chose, and generated tokens
+  leave, oldest first, as they fall out of the protected window.
 * ``interval > 0`` (decode-time re-scoring, as kvpress's ``DecodingPress`` does): the window is
-  the last ``w`` queries the layer saw *across* steps, kept per layer in the cache's shared dict
-  (decode queries included); every ``interval`` steps all stored slots are re-scored with it.
-  With ``interval <= w`` every generated token is scored while still protected, so it then
-  competes with the prompt tokens on equal terms. This window is not part of ``cache.state``:
-  after a save/load it restarts from the queries seen since.
+  the last ``w`` queries the layer saw *across* steps (decode queries included), held in the
+  scorer's state (:class:`WindowState`: it travels with copies, saves, loads and batch rows);
+  every ``interval`` steps all stored slots are re-scored with it. With ``interval <= w`` every
+  generated token is scored while still protected, so it then competes with the prompt tokens
+  on equal terms.
 """
 
 from __future__ import annotations
 
 from functools import reduce
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Optional
 
 import attrs
 import mlx.core as mx
 from attrs.validators import ge, in_, instance_of
 
-__all__ = ["SnapKVScorer", "window_mass", "pool_by_position", "pool1d"]
+from kvcompress import rows_field
+from kvcompress.ops import attention
+
+__all__ = ["SnapKVScorer", "WindowState", "window_mass", "pool_by_position", "pool1d"]
 
 POOLINGS = ("max", "avg", "none")
 
@@ -54,25 +56,16 @@ def _odd(_inst, attribute, value):
         raise ValueError(f"{attribute.name} must be odd (same-length pooling), got {value}")
 
 
-def window_mass(queries: mx.array, keys: mx.array, positions: mx.array, q_pos0: int, scale: float) -> mx.array:
+def window_mass(queries, keys, positions, query_positions, scale, query_weight=None) -> mx.array:
     """``A[b, h_kv, g, j]``: attention of the window queries summed per query head, float32.
 
-    queries ``[B, H_q, m, D]`` at positions ``q_pos0 .. q_pos0 + m - 1``; keys ``[B, H_kv, T, D]``
-    at ``positions`` ``[B, H_kv, T]``. Query ``i`` sees key ``j`` iff ``p_j <= q_pos0 + i``.
-    Returns ``[B, H_kv, G, T]`` with ``G = H_q // H_kv``.
+    queries ``[B, H_q, m, D]`` at ``query_positions`` ``[B, 1, m]``; keys ``[B, H_kv, T, D]`` at
+    ``positions``. Query ``i`` sees key ``j`` iff ``0 <= p_j <= q_i``
+    (:func:`kvcompress.ops.visibility`). Returns ``[B, H_kv, G, T]`` with ``G = H_q // H_kv``.
     """
-    b, h_q, m, d = queries.shape
-    h_kv = keys.shape[1]
-    if h_q % h_kv:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    g = h_q // h_kv
-    q = queries.astype(mx.float32).reshape(b, h_kv, g, m, d) * scale
-    k = mx.expand_dims(keys.astype(mx.float32), 2)  # [B, H_kv, 1, T, D]
-    logits = q @ k.swapaxes(-1, -2)  # [B, H_kv, G, m, T]
-    q_pos = mx.arange(q_pos0, q_pos0 + m, dtype=mx.int32)
-    seen = positions[:, :, None, None, :] <= q_pos[:, None]  # [B, H_kv, 1, m, T]
-    w = mx.softmax(mx.where(seen, logits, -mx.inf), axis=-1)
-    return w.sum(axis=-2)
+    return attention(
+        queries, keys, None, scale, positions, query_positions, query_weight=query_weight, mass="heads"
+    )[1]
 
 
 def pool1d(x: mx.array, kernel: int, pooling: str) -> mx.array:
@@ -93,8 +86,8 @@ def pool1d(x: mx.array, kernel: int, pooling: str) -> mx.array:
 def pool_by_position(x: mx.array, positions: mx.array, window: mx.array, kernel: int, pooling: str) -> mx.array:
     """Pool ``x`` ``[B, H, G, T]`` along slots sorted by ``positions`` ``[B, H, T]``.
 
-    ``window`` ``[B, H, T]`` bool marks observation-window slots: they pad the prefix's pooling
-    and keep their raw value.
+    ``window`` ``[B, H, T]`` bool marks observation-window slots (and empty ones): they pad the
+    prefix's pooling and keep their raw value.
     """
     if pooling == "none" or kernel == 1:
         return x
@@ -106,6 +99,29 @@ def pool_by_position(x: mx.array, positions: mx.array, window: mx.array, kernel:
     pooled = pool1d(mx.where(ws, fill, xs), kernel, pooling)
     pooled = mx.where(ws, xs, pooled)
     return mx.take_along_axis(pooled, inv[:, :, None, :], axis=-1)
+
+
+@attrs.define
+class WindowState:
+    """The last ``w`` queries a layer saw (``interval > 0``), per row: ``queries``
+    ``[B, H_q, w, D]`` and their positions ``[B, 1, w]`` (``-1``: not yet filled)."""
+
+    queries: Optional[mx.array] = rows_field()
+    positions: Optional[mx.array] = rows_field(fill=-1)
+
+
+def _last_real(queries: mx.array, qpos: mx.array, n_valid: tuple, w: int):
+    """Each row's last ``min(n_valid, w)`` real queries, right-aligned in ``w`` columns
+    (``[B, H_q, w, D]``, positions ``[B, 1, w]`` with ``-1`` where a row has fewer)."""
+    n = queries.shape[2]
+    if all(v == n for v in n_valid) and n >= w:
+        return queries[:, :, n - w :], qpos[..., n - w :]
+    idx = mx.array(n_valid, dtype=mx.int32).reshape(-1, 1, 1) - w + mx.arange(w, dtype=mx.int32).reshape(1, 1, w)
+    ok = idx >= 0
+    idx = mx.maximum(idx, 0)
+    q = mx.take_along_axis(queries, mx.broadcast_to(idx[..., None], (queries.shape[0], 1, w, 1)), axis=2)
+    pos = mx.where(ok, mx.take_along_axis(qpos, idx, axis=-1), -1)
+    return q, pos
 
 
 @attrs.frozen
@@ -126,42 +142,39 @@ class SnapKVScorer:
     requires: ClassVar[frozenset] = frozenset({"queries", "positions"})
     provides: ClassVar[frozenset] = frozenset({"attention_mass", "window_attention"})
 
-    def is_event(self, n_new: int, offset: int) -> bool:
-        """Whether this step recomputes the scores."""
-        return n_new > 1 or (self.interval > 0 and offset % self.interval == 0)
+    def init_state(self, layer) -> Optional[WindowState]:
+        return WindowState() if self.interval > 0 else None
+
+    def events(self, obs) -> list:
+        """Per row: whether this step recomputes the row's scores."""
+        if obs.n_new > 1:
+            return [v > 0 for v in obs.n_valid]
+        return [self.interval > 0 and o % self.interval == 0 for o in obs.offsets]
 
     def observe(self, scores, obs):
-        entries = self._remember(obs)
-        if not self.is_event(obs.n_new, obs.offset):
+        events = self.events(obs)
+        if self.interval == 0 and not any(events):
             return scores
-        q = entries[0][0] if len(entries) == 1 else mx.concatenate([e[0] for e in entries], axis=2)
-        m = min(q.shape[2], self.recent)
-        q = q[:, :, q.shape[2] - m :]
-        p0 = obs.offset - m
-        mass = window_mass(q, obs.keys, obs.positions, p0, obs.scale)
-        window = obs.positions >= p0
-        return pool_by_position(mass, obs.positions, window, self.kernel, self.pooling).mean(axis=2)
-
-    def _remember(self, obs) -> list:
-        """The window queries as ``[(queries, first position), ...]``: this step's last
-        ``min(N, w)``, or (``interval > 0``) the layer's last ``w`` across steps."""
-        q, n, w = obs.queries, obs.queries.shape[2], self.recent
-        if n >= w or self.interval == 0:
-            m = min(n, w)
-            if self.interval == 0:
-                return [(q[:, :, n - m :] if n > m else q, obs.offset - m)]
-            # a contiguous copy, so the stored window does not pin the whole chunk's queries
-            entries = [(mx.contiguous(q[:, :, n - m :]) if n > m else q, obs.offset - m)]
-        else:
-            entries = list(obs.shared.get(("snapkv.window", obs.layer), ()))
-            if entries:
-                last_q, last_p0 = entries[-1]
-                contiguous = last_p0 + last_q.shape[2] == obs.offset - n
-                if not contiguous or last_q.shape[:2] != q.shape[:2] or last_q.dtype != q.dtype:
-                    entries = []  # after a trim, a reload or a proxy step: start a new window
-            entries.append((q, obs.offset - n))
-            total = sum(e[0].shape[2] for e in entries)
-            while total - entries[0][0].shape[2] >= w:
-                total -= entries.pop(0)[0].shape[2]
-        obs.shared[("snapkv.window", obs.layer)] = entries
-        return entries
+        w = self.recent
+        q, qpos = _last_real(obs.queries, obs.query_positions, obs.n_valid, w)
+        if self.interval > 0:
+            st = obs.state
+            if st is not None and st.queries is not None and st.queries.shape[1:] == q.shape[1:] \
+                    and st.queries.dtype == q.dtype:
+                both_q = mx.concatenate([st.queries, q], axis=2)
+                both_p = mx.concatenate([st.positions, qpos], axis=2)
+                # keep each row's last w filled entries (empty ones, position -1, sort first)
+                t = both_p.shape[-1]
+                order = mx.argsort(mx.where(both_p >= 0, t + mx.arange(t), mx.arange(t)), axis=-1)[..., t - w :]
+                q = mx.take_along_axis(both_q, mx.broadcast_to(order[..., None], (q.shape[0], 1, w, 1)), axis=2)
+                qpos = mx.take_along_axis(both_p, order, axis=-1)
+            obs.state = WindowState(queries=q, positions=qpos)
+        if not any(events):
+            return scores
+        mass = window_mass(q, obs.keys, obs.positions, qpos, obs.scale, (qpos >= 0).astype(mx.float32))
+        first = mx.where(qpos >= 0, qpos, 2**30).min(axis=-1, keepdims=True)  # [B, 1, 1]
+        window = (obs.positions >= first) | (obs.positions < 0)
+        new = pool_by_position(mass, obs.positions, window, self.kernel, self.pooling).mean(axis=2)
+        if all(events):
+            return new
+        return mx.where(mx.array(events).reshape(-1, 1, 1), new, scores)

@@ -7,9 +7,9 @@ lowest-score eviction, drop, squeeze budgets.
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
 from .allocate import kmeans_1d, squeeze_budgets
-from .budget import SqueezeBudget, unbind
+from .budget import SqueezeBudget, SqueezeState
 
-__all__ = ["SqueezeBudget", "kmeans_1d", "squeeze_budgets", "unbind"]
+__all__ = ["SqueezeBudget", "SqueezeState", "kmeans_1d", "squeeze_budgets"]
 
 PAPER = "https://arxiv.org/abs/2404.04793"
 

@@ -21,7 +21,6 @@ scaling) cannot be shifted and are refused with a :class:`~kvcompress.ConfigErro
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Optional
 
 import attrs
@@ -32,7 +31,6 @@ from kvcompress import ConfigError
 
 __all__ = ["PositionShift", "RopeParams", "rope_params"]
 
-_ZERO = mx.array(0, dtype=mx.int32)
 
 
 @attrs.frozen
@@ -60,24 +58,6 @@ class RopeParams:
         )
         return out.reshape(shape)
 
-    def to_arrays(self) -> list:
-        head = mx.array(
-            [self.dims, float(self.traditional), math.nan if self.base is None else self.base, self.scale],
-            dtype=mx.float32,
-        )
-        return [head] if self.freqs is None else [head, self.freqs.astype(mx.float32)]
-
-    @classmethod
-    def from_arrays(cls, arrays: list) -> "RopeParams":
-        dims, trad, base, scale = arrays[0].tolist()
-        return cls(
-            dims=int(dims),
-            traditional=bool(trad),
-            base=None if math.isnan(base) else float(base),
-            scale=float(scale),
-            freqs=arrays[1] if len(arrays) > 1 else None,
-        )
-
 
 def rope_params(module) -> RopeParams:
     """Read the rotation of an mlx / mlx-lm RoPE module, or raise ConfigError if unsupported."""
@@ -99,24 +79,15 @@ def rope_params(module) -> RopeParams:
 
 @attrs.define
 class ShiftState:
-    """Per-cache state: the layer's RoPE rotation (set by :meth:`PositionShift.bind`)."""
+    """Per-cache state: the layer's RoPE rotation (set by :meth:`PositionShift.bind`) and whether
+    anything was evicted yet (before that every rank equals its position: no rotation)."""
 
     rope: Optional[RopeParams] = None
+    shifted: bool = False
 
 
 def _attention(layer):
     return getattr(layer, "self_attn", getattr(layer, "attention", None))
-
-
-def _layer_map(model, caches) -> list:
-    """Model layer index of each compressed cache (``caches[i].layer`` counts compressed layers)."""
-    layers = list(model.layers)
-    if len(caches) == len(layers):
-        return list(range(len(layers)))
-    from mlx_lm.models.cache import KVCache
-
-    default = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
-    return [i for i, c in enumerate(default) if type(c) is KVCache]
 
 
 @attrs.frozen
@@ -131,39 +102,39 @@ class PositionShift:
     provides: ClassVar[frozenset] = frozenset({"position_shift"})
 
     def dispose(self, ev):
-        return ev.keys, ev.values, ev.scores, _ZERO
+        if isinstance(ev.state, ShiftState) and not ev.state.shifted:
+            ev.state = attrs.evolve(ev.state, shifted=True)
+        return ev.keys, ev.values, ev.scores
 
-    def init_state(self) -> ShiftState:
+    def init_state(self, layer) -> ShiftState:
         return ShiftState()
 
     def bind(self, model, caches) -> None:
-        slots = _layer_map(model, caches)
         layers = list(model.layers)
         for cache in caches:
-            attn = _attention(layers[slots[cache.layer]])
+            block = cache.info.block if cache.info.block is not None else cache.info.layer
+            attn = _attention(layers[block])
             rope = getattr(attn, "rope", None)
             if rope is None:
                 raise ConfigError(
-                    f"position shift needs the RoPE module of layer {slots[cache.layer]} "
+                    f"position shift needs the RoPE module of layer {block} "
                     f"({type(attn).__name__} has no 'rope' attribute)"
                 )
-            cache.disposition_state.rope = rope_params(rope)
+            cache._states["disposition"] = attrs.evolve(cache._states["disposition"], rope=rope_params(rope))
 
-    def view_keys(self, state: ShiftState, keys: mx.array, positions: mx.array, offset: int) -> mx.array:
-        n = keys.shape[2]
-        if n == offset:  # nothing evicted yet: every rank equals its position
+    def view_keys(self, state: ShiftState, keys: mx.array, positions: mx.array, offset: mx.array) -> mx.array:
+        """Keys re-rotated to ``offset - n + rank`` (``n`` held tokens of the row, ``rank`` the
+        slot's rank by position among them); empty slots are left as they are."""
+        if not state.shifted:
             return keys
         if state.rope is None:
             raise ConfigError(
                 "position shift has no RoPE parameters: build the cache with "
                 "kvcompress.make_prompt_cache(model, ...) so the disposition can bind to the model"
             )
-        rank = mx.argsort(mx.argsort(positions, axis=-1), axis=-1).astype(mx.int32)
-        delta = (offset - n) + rank - positions
+        held = positions >= 0
+        key = mx.where(held, positions, 2**30)
+        rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1).astype(mx.int32)
+        n = held.astype(mx.int32).sum(axis=-1, keepdims=True)
+        delta = mx.where(held, (offset - n) + rank - positions, 0)
         return state.rope.rotate(keys, delta)
-
-    def state_arrays(self, state: ShiftState) -> list:
-        return [] if state.rope is None else state.rope.to_arrays()
-
-    def restore_state(self, arrays) -> ShiftState:
-        return ShiftState(RopeParams.from_arrays(list(arrays)) if arrays else None)

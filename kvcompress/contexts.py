@@ -1,0 +1,154 @@
+"""What the cache hands its components: the layer, one step's observation, a selection, an eviction.
+
+Shapes: ``B`` batch rows, ``H`` KV heads held by this cache (this rank's heads under tensor
+parallelism), ``T`` stored slots, ``N`` the step's tokens, ``D`` head size. Rows may hold
+different numbers of tokens: a slot whose position is ``-1`` is empty (padding, or freed and not
+yet reused) and is never selected, scored into a decision or merged into. ``offset`` is always an
+int32 array broadcastable to ``[B, H, T]`` (``[B, 1, 1]``): the tokens each row has seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import mlx.core as mx
+
+__all__ = ["ModelInfo", "LayerInfo", "Observation", "Selection", "Eviction"]
+
+
+@attrs.frozen
+class ModelInfo:
+    """What a budget may know about the whole model (every layer, every rank): its shape."""
+
+    n_layers: int
+    n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    model_type: str = ""
+
+
+@attrs.frozen
+class LayerInfo:
+    """The identity of one cache's layer in the whole model.
+
+    ``layer`` is the global index among the model's compressed layers (the same on every rank
+    and under pipeline parallelism), ``n_layers`` their global count; ``head_offset`` is the
+    global index of this cache's first KV head (rank r holds heads ``r*H .. r*H+H-1`` under
+    tensor parallelism). Seeds and budgets follow these global identities.
+    """
+
+    layer: int = 0
+    n_layers: int = 1
+    head_offset: int = 0
+    n_kv_heads: Optional[int] = None
+    model_type: str = ""
+    #: index of the layer's block in this process's ``model.layers`` (local, for binding)
+    block: Optional[int] = None
+
+    def head_ids(self, h: int) -> mx.array:
+        """Global KV-head indices ``[1, h, 1]`` uint32 of a cache holding ``h`` heads."""
+        return mx.arange(self.head_offset, self.head_offset + h, dtype=mx.uint32).reshape(1, h, 1)
+
+
+@attrs.define(slots=True, kw_only=True)
+class Observation:
+    """What a scorer sees after one attention step of one layer.
+
+    queries: ``[B, H_q, N, D]`` post-RoPE queries, or key-as-query proxies ``[B, H, N, D]`` when
+        ``proxy`` is true (a model that bypassed mlx-lm's attention function).
+    keys: ``[B, H, T, D]`` every stored key the step attended, new ones included.
+    positions: ``[B, H, T]`` int32 position of each slot (``-1``: empty).
+    query_positions: ``[B, 1, N]`` int32 position of each query.
+    query_weight: ``[B, 1, N]`` 1 for real queries, 0 for padding; None when all are real.
+    n_new: N. n_valid: real new tokens per row (host ints; the first ``n_valid[b]`` of the step).
+    offset: ``[B, 1, 1]`` tokens seen after the step. offsets: the same, host ints.
+    state: the scorer's own state (see :meth:`Scorer.init_state`); assign a new value to
+        replace it (never mutate its arrays in place: the cache keeps the old one to undo).
+    """
+
+    queries: mx.array
+    keys: mx.array
+    positions: mx.array
+    query_positions: mx.array
+    n_new: int
+    scale: float
+    offset: mx.array
+    offsets: tuple
+    layer: LayerInfo
+    n_valid: tuple = ()
+    query_weight: Optional[mx.array] = None
+    proxy: bool = False
+    state: Any = None
+    group: Any = attrs.field(default=None, repr=False)
+    _cache: dict = attrs.field(factory=dict, repr=False, init=False)
+
+    def seed_attention_mass(self, mass: mx.array) -> None:
+        """Provide the all-queries mass the cache computed together with the step's attention."""
+        self._cache[None] = mass
+
+    def attention_mass(self, last: Optional[int] = None) -> mx.array:
+        """``[B, H, T]`` float32: ``A_j = sum_i softmax_j(q_i . k_j * scale)`` over the step's
+        real queries (or only the ``last`` ones), mean over each GQA group; see
+        :func:`kvcompress.ops.attention`."""
+        from .ops import attention_mass
+
+        key = None if last is None or last >= self.n_new else last
+        if key not in self._cache:
+            self._cache[key] = attention_mass(
+                self.queries, self.keys, self.scale, self.positions, self.query_positions,
+                query_weight=self.query_weight, last=last,
+            )
+        return self._cache[key]
+
+
+@attrs.define(slots=True, kw_only=True)
+class Selection:
+    """What a selector sees: choose slots to free, per (row, head).
+
+    ``n_evict`` slots per row, or, when ``row_counts`` (``[B, 1, 1]`` int32) is given, row
+    ``b`` frees only ``row_counts[b]``: the selector then returns the ``n_evict`` choice in
+    priority order (most evictable first), so that each row's first ``evict_count(row_counts[b])``
+    entries are its choice. ``protected`` ``[B, H, T]`` bool marks slots that may not leave:
+    the selector's own :meth:`Selector.protected` mask plus every empty slot. ``budget`` is the
+    rows' kept-token budget: an int, or ``[B, 1, 1]`` int32 when rows have different budgets.
+    """
+
+    scores: mx.array
+    positions: mx.array
+    protected: mx.array
+    n_evict: int
+    budget: Any
+    offset: mx.array
+    offsets: tuple
+    layer: LayerInfo
+    row_counts: Optional[mx.array] = None
+    state: Any = None
+    group: Any = attrs.field(default=None, repr=False)
+
+
+@attrs.define(slots=True, kw_only=True)
+class Eviction:
+    """What a disposition sees: the stored slots and those about to be freed.
+
+    keys/values ``[B, H, T, D]``, scores/positions ``[B, H, T]``, ``evict`` ``[B, H, E]`` int32
+    slot indices; ``real`` ``[B, H, E]`` bool marks the entries that really leave (None: all of
+    them; a row that frees fewer slots than others has entries to ignore); ``protected`` the
+    selector's never-evict mask (empty slots included). ``counts`` the real entries per row (host
+    ints). ``draw_id`` counts this layer's eviction rounds. ``state`` is the disposition's own
+    state (mutate or replace it).
+    """
+
+    keys: mx.array
+    values: mx.array
+    scores: mx.array
+    positions: mx.array
+    evict: mx.array
+    protected: mx.array
+    offset: mx.array
+    offsets: tuple
+    layer: LayerInfo
+    counts: tuple = ()
+    draw_id: int = 0
+    real: Optional[mx.array] = None
+    state: Any = None
+    group: Any = attrs.field(default=None, repr=False)

@@ -1,0 +1,12 @@
+"""Glue between kvcompress and mlx-lm, in one place.
+
+* :mod:`.attention` -- the attention wrapper that hands each step's queries to a compressed cache
+  (and lets it apply its exact slot mask), plus the layer input/output hook some budgets need;
+* :mod:`.loader` -- registers the cache classes with ``mlx_lm.models.cache`` so mlx-lm's own
+  ``load_prompt_cache`` (and its CLIs' ``--prompt-cache-file``) read kvcompress files;
+* :mod:`.prompt_cache` -- a prompt-cache LRU that trims compressed entries only when exact;
+* :mod:`.server` / :mod:`.chat` -- ``kvcompress serve`` and ``kvcompress chat`` over mlx-lm's.
+
+The cache engine never imports mlx-lm's server, and these modules only use the caches' public
+protocol.
+"""

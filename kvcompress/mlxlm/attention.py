@@ -1,0 +1,167 @@
+"""Let compressed caches see the real queries: a thin wrapper around mlx-lm's attention.
+
+mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache=..., scale=...,
+mask=...)``, a function each model module imports from ``mlx_lm.models.base``. The wrapper
+installed here replaces that name in ``mlx_lm.models.base`` (so every model module imported
+later gets it) and in every model module already imported. For a kvcompress cache it runs the
+cache's attention (the exact slot mask, or the disposition's own attention) and then hands the
+step's queries to the cache; for any other cache it calls the original function unchanged.
+
+The wrapper holds no state and is installed on first use of any kvcompress cache, so a cache
+loaded in a fresh process scores with real queries exactly as the uninterrupted run did.
+
+Budgets that require ``layer_io`` (SqueezeAttention) also need each layer's input and
+attention output in a prompt's first forward: :func:`install_layer_io` gives the model's blocks
+and attention modules stateless subclasses that pass those to the cache the block was called
+with, and nothing else.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import mlx.nn as nn
+
+from ..errors import ConfigError
+
+__all__ = ["install", "is_installed", "ensure_wrapped", "install_layer_io"]
+
+_MARK = "__kvcompress_wrapped__"
+_LOCK = threading.Lock()
+_scanned = 0
+
+
+def _engine_class():
+    from .._engine import _Engine
+
+    return _Engine
+
+
+def _wrap(original):
+    engine = _engine_class()
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        if not isinstance(cache, engine):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw)
+        out = cache.attend(original, queries, keys, values, scale, mask, sinks)
+        cache.observe(queries, scale)
+        return out
+
+    setattr(scaled_dot_product_attention, _MARK, original)
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    return scaled_dot_product_attention
+
+
+def _patch(mod) -> bool:
+    fn = getattr(mod, "scaled_dot_product_attention", None)
+    if fn is None or not callable(fn):
+        return False
+    if not hasattr(fn, _MARK):
+        setattr(mod, "scaled_dot_product_attention", _wrap(fn))
+    return True
+
+
+def ensure_wrapped() -> None:
+    """Wrap mlx-lm's attention function in ``mlx_lm.models.base`` and every loaded model module."""
+    global _scanned
+    if len(sys.modules) == _scanned:
+        return
+    with _LOCK:
+        import mlx_lm.models.base  # noqa: F401
+
+        for name, mod in list(sys.modules.items()):
+            if mod is not None and name.startswith("mlx_lm.models."):
+                _patch(mod)
+        _scanned = len(sys.modules)
+
+
+def _modules_of(model: nn.Module) -> set:
+    names = {type(model).__module__}
+    for _, child in model.named_modules():
+        names.add(type(child).__module__)
+    return {n for n in names if n in sys.modules}
+
+
+def install(model: nn.Module) -> list:
+    """Wrap the attention function for ``model`` (idempotent); returns the module names that use
+    it. Models whose attention does not go through mlx-lm's function are left alone (their
+    single-sequence caches fall back to a key-as-query proxy, reported by ``score_source``)."""
+    ensure_wrapped()
+    return sorted(n for n in _modules_of(model) if _patch(sys.modules[n]))
+
+
+def is_installed(model: nn.Module) -> bool:
+    """Whether some module of ``model`` routes attention through the wrapper."""
+    for name in _modules_of(model):
+        fn = getattr(sys.modules.get(name), "scaled_dot_product_attention", None)
+        if fn is not None and hasattr(fn, _MARK):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Layer input/output for budgets that require "layer_io"
+# --------------------------------------------------------------------------------------------
+
+_BASE = "_kvcompress_io_base"
+_MADE: dict = {}
+
+
+def _cache_in(args, kwargs):
+    engine = _engine_class()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, engine):
+            return a
+    return None
+
+
+def _block_call(base, block, args, kwargs):
+    cache = _cache_in(args, kwargs)
+    if cache is None or not cache.wants_layer_io():
+        return base.__call__(block, *args, **kwargs)
+    cache._io_input = args[0] if args else next(iter(kwargs.values()))
+    try:
+        return base.__call__(block, *args, **kwargs)
+    finally:
+        cache._io_input = None
+
+
+def _attn_call(base, attn, args, kwargs):
+    out = base.__call__(attn, *args, **kwargs)
+    cache = _cache_in(args, kwargs)
+    if cache is not None and cache._io_input is not None:
+        x, cache._io_input = cache._io_input, None
+        cache.observe_layer_io(x, out)
+    return out
+
+
+def _subclass(base: type, hook) -> type:
+    key = (base, hook)
+    if key not in _MADE:
+        def __call__(self, *args, **kwargs):
+            return hook(base, self, args, kwargs)
+
+        _MADE[key] = type(
+            base.__name__, (base,),
+            {"__call__": __call__, _BASE: base, "__module__": base.__module__, "__doc__": base.__doc__},
+        )
+    return _MADE[key]
+
+
+def install_layer_io(model: nn.Module, layers: list) -> None:
+    """Route the input and attention output of the given model ``layers`` (indices) to their
+    caches during a prompt's first forward. Needs Llama-like blocks (``input_layernorm`` and
+    ``self_attn``, ``h = x + self_attn(input_layernorm(x), mask, cache)``)."""
+    blocks = list(getattr(model, "layers", []))
+    for i in layers:
+        blk = blocks[i]
+        if not (hasattr(blk, "input_layernorm") and isinstance(getattr(blk, "self_attn", None), nn.Module)):
+            raise ConfigError(
+                "this budget measures cos(x, x + self_attn(input_layernorm(x))) and needs Llama-like "
+                f"blocks with input_layernorm and self_attn; layer {i} is "
+                f"{type(blk).__module__}.{type(blk).__name__}"
+            )
+        for obj, hook in ((blk, _block_call), (blk.self_attn, _attn_call)):
+            base = getattr(type(obj), _BASE, type(obj))
+            obj.__class__ = _subclass(base, hook)

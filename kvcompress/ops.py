@@ -1,0 +1,171 @@
+"""Attention math shared by the cache engine and the components (public helpers for plugins).
+
+One mask rule and one masked attention serve the whole project:
+
+* :func:`visibility` -- key ``j`` is visible to query ``i`` iff ``0 <= p_j <= q_i`` (``p_j = -1``
+  marks an empty slot: padding or a freed slot). Because every slot remembers its position,
+  this is exact whatever the slot order, after any eviction, for any batch row.
+* :func:`attention` -- float32 softmax attention in query blocks, returning the output, the
+  attention mass ``A_j = sum_i w_i softmax_j(q_i . k_j * scale)`` per key (mean over the query
+  heads of each GQA group, or per query head), or both from one softmax. Extra key blocks
+  (e.g. a quantized store) join the same softmax through :class:`ExtraKeys`.
+* :func:`lowest_k` -- the ``k`` slots with the smallest ``(score, position)``: ties break by
+  position, so the choice never depends on where a token sits in storage or in a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import attrs
+import mlx.core as mx
+
+__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "visibility", "lowest_k"]
+
+#: The logit given to invisible keys: finite, so a query that sees nothing gets no NaN.
+NEG = -3.0e38
+#: Queries per block: bounds the ``[.., block, T]`` float32 logits of a long chunk.
+QUERY_BLOCK = 256
+
+
+def visibility(key_positions: mx.array, query_positions: mx.array) -> mx.array:
+    """Bool ``[B, H, N, T]``: ``0 <= p_j <= q_i``.
+
+    ``key_positions`` ``[B, H, T]`` int (``-1`` = empty slot); ``query_positions`` ``[B, 1, N]``
+    (or anything broadcastable to it, e.g. ``[N]``).
+    """
+    kp = key_positions[..., None, :]
+    qp = query_positions[..., :, None]
+    return (kp >= 0) & (kp <= qp)
+
+
+@attrs.frozen
+class ExtraKeys:
+    """Keys held outside the stored slots that every query sees (e.g. a quantized store).
+
+    ``logits(q)`` maps scaled float32 queries ``[B, H_kv, G, n, D]`` to ``[B, H_kv, G, n, X]``;
+    ``output(p)`` maps their softmax weights ``[B, H_kv, G, n, X]`` to ``[B, H_kv, G, n, D_v]``.
+    They precede the stored slots in the softmax.
+    """
+
+    logits: Callable[[mx.array], mx.array]
+    output: Callable[[mx.array], mx.array]
+
+
+def _split_groups(queries: mx.array, h_kv: int) -> int:
+    h_q = queries.shape[1]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    return h_q // h_kv
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: Optional[mx.array],
+    scale: float,
+    key_positions: mx.array,
+    query_positions: mx.array,
+    *,
+    query_weight: Optional[mx.array] = None,
+    mass: Optional[str] = None,
+    last: Optional[int] = None,
+    extra: Sequence[ExtraKeys] = (),
+    sinks: Optional[mx.array] = None,
+    block: int = QUERY_BLOCK,
+):
+    """Masked float32 attention of ``queries`` over the stored slots (plus ``extra``).
+
+    queries ``[B, H_q, N, D]`` at ``query_positions`` ``[B, 1, N]``; keys/values
+    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`).
+    ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
+    ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
+    (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
+    ``values=None`` computes the mass only. Returns ``(out [B, H_q, N', D_v] in the queries'
+    dtype or None, mass or None)``.
+    """
+    b, _, n, d = queries.shape
+    h_kv, t = keys.shape[1], keys.shape[2]
+    g = _split_groups(queries, h_kv)
+    start = 0 if last is None else max(n - last, 0)
+    q = queries.astype(mx.float32).reshape(b, h_kv, g, n, d) * scale
+    kt = mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
+    v = None if values is None else mx.expand_dims(values.astype(mx.float32), 2)
+    qpos = mx.broadcast_to(query_positions, (query_positions.shape[0], 1, n)) if query_positions.ndim == 3 \
+        else mx.broadcast_to(query_positions.reshape(1, 1, n), (1, 1, n))
+    outs, total = [], None
+    for i0 in range(start, n, block):
+        i1 = min(i0 + block, n)
+        qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
+        parts = [e.logits(qb) for e in extra]
+        vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]
+        parts.append(mx.where(vis, qb @ kt, NEG))
+        if sinks is not None:
+            sink = sinks.astype(mx.float32).reshape(1, h_kv, g, 1, 1)
+            parts.append(mx.broadcast_to(sink, (b, h_kv, g, i1 - i0, 1)))
+        logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        w = mx.softmax(logits, axis=-1)
+        x0 = sum(p.shape[-1] for p in parts[: len(extra)])
+        ws = w[..., x0 : x0 + t] if (x0 or sinks is not None) else w
+        if v is not None:
+            out = ws @ v
+            x = 0
+            for e, p in zip(extra, parts):
+                out = out + e.output(w[..., x : x + p.shape[-1]])
+                x += p.shape[-1]
+            outs.append(out)
+        if mass is not None:
+            wm = ws if query_weight is None else ws * query_weight[:, :, None, i0:i1, None].astype(mx.float32)
+            s = wm.sum(axis=-2)  # [B, H_kv, G, T]
+            total = s if total is None else total + s
+    out = None
+    if v is not None:
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+        out = out.reshape(b, h_kv * g, n - start, -1).astype(queries.dtype)
+    if mass is not None:
+        if total is None:
+            total = mx.zeros((b, h_kv, g, t), mx.float32)
+        if mass == "group":
+            total = total.sum(axis=2) / g if g > 1 else total[:, :, 0]
+        elif mass != "heads":
+            raise ValueError(f"mass must be None, 'group' or 'heads', got {mass!r}")
+    return out, total
+
+
+def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None):
+    """``[B, H_kv, T]`` float32: :func:`attention`'s mass (mean over each GQA group) alone."""
+    return attention(
+        queries, keys, None, scale, key_positions, query_positions,
+        query_weight=query_weight, mass="group", last=last,
+    )[1]
+
+
+def _sortable(x: mx.array) -> mx.array:
+    """float32 -> uint32 whose unsigned order is the float order (-inf < ... < +inf)."""
+    u = x.astype(mx.float32).view(mx.uint32)
+    neg = (u >> 31).astype(mx.bool_)
+    return mx.where(neg, ~u, u | mx.array(0x80000000, mx.uint32))
+
+
+def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False) -> mx.array:
+    """Slot indices ``[B, H, k]`` int32 of the ``k`` smallest ``(key, position)`` pairs.
+
+    ``key`` ``[B, H, T]`` (``+inf`` for slots that must not be chosen), ``positions`` the slots'
+    token positions. Ties in ``key`` go to the lower position, so the set is the same for any
+    slot order. With ``ordered`` the result is sorted, smallest first.
+    """
+    if k == 1:
+        low = key.min(axis=-1, keepdims=True)
+        big = mx.array(2**31 - 1, positions.dtype)
+        return mx.argmin(mx.where(key <= low, positions, big), axis=-1, keepdims=True).astype(mx.int32)
+    comp = (_sortable(key).astype(mx.uint64) << 32) | (
+        (positions.astype(mx.int64) + 2**31).astype(mx.uint64)
+    )
+    if k >= key.shape[-1]:
+        idx = mx.argsort(comp, axis=-1)[..., :k]
+        return idx.astype(mx.int32)
+    idx = mx.argpartition(comp, kth=k - 1, axis=-1)[..., :k]
+    if ordered:
+        order = mx.argsort(mx.take_along_axis(comp, idx, axis=-1), axis=-1)
+        idx = mx.take_along_axis(idx, order, axis=-1)
+    return idx.astype(mx.int32)
