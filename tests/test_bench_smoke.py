@@ -12,7 +12,7 @@ import pytest
 
 import kvcompress
 from kvcompress import MethodSpec, Registry, hookimpl
-from kvcompress.bench import _report
+from kvcompress.bench import _harness, _profile, _report
 from kvcompress.bench import speed as speed_mod
 from kvcompress.bench import synthetic as syn
 
@@ -199,7 +199,7 @@ def test_speed_profile_counts_cache_ops(speed_payload):
     for var in ("rotating", "h2o", "h2o[no_score]", "cam", "cam[no_score]"):
         assert prof["layer_prefill_chunk_ms"][var]["ms"] > 0
     assert {"sdpa", "attention_mass"} <= set(prof["prefill_component_ms"])
-    cols, rows = speed_mod.profile_table(speed_payload)
+    cols, rows = _profile.profile_table(speed_payload)
     assert len(rows) == len(prof["model_step_ms"])
 
 
@@ -218,7 +218,7 @@ def test_count_ops_counts_primitives():
 
     a = mx.ones((4, 4))
     mx.eval(a)
-    out = speed_mod.count_ops((a @ a + 1).sum())
+    out = _profile.count_ops((a @ a + 1).sum())
     assert out["by_op"].get("Matmul") == 1
     assert out["n_ops"] == sum(out["by_op"].values()) >= 3
 
@@ -234,7 +234,7 @@ def test_dtype_probe_reports_each_dtype():
 def test_interleave_rotates_order_and_times_every_stepper():
     calls = []
     steppers = {n: (lambda n=n: calls.append(n)) for n in "abc"}
-    out = speed_mod.interleave(steppers, n_blocks=3, k=2)
+    out = _harness.interleave(steppers, n_blocks=3, k=2)
     assert {n: len(v) for n, v in out.items()} == {"a": 3, "b": 3, "c": 3}
     assert all(t >= 0 for v in out.values() for t in v)
     # blocks of k calls, the starting stepper rotated each block
