@@ -293,6 +293,35 @@ def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
     assert "rotating" in capsys.readouterr().out
 
 
+def test_bench_writes_only_under_kvcompress_results_and_names_each_file(tmp_path, monkeypatch, capsys):
+    """Without ``--out``, ``kvcompress bench`` writes under ``./kvcompress-results`` (the user's
+    folder, never a checkout's committed docs/results) and prints one ``wrote <path>`` per file."""
+    from pathlib import Path
+
+    from kvcompress.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert main(["bench", "synthetic", "--quick", "--seq-lens", "64", "--budgets", "16", "--methods", "h2o",
+                     "--scenarios", "structured", "--plain"]) == 0
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert tmp_path / "kvcompress-results" / "synthetic.json" in written
+    assert all(p.parent == tmp_path / "kvcompress-results" for p in written), written
+    err = capsys.readouterr().err
+    wrote = [line.removeprefix("wrote ") for line in err.splitlines() if line.startswith("wrote ")]
+    assert sorted(tmp_path / Path(w) for w in wrote) == written
+    assert all(not Path(w).is_absolute() for w in wrote)  # as the user would type them
+
+
+def test_every_workload_defaults_to_kvcompress_results():
+    from kvcompress.cli import BENCH_WORKLOADS, build_parser
+
+    parser = build_parser()
+    for workload in BENCH_WORKLOADS:
+        assert parser.parse_args(["bench", workload]).out == "kvcompress-results", workload
+
+
 # ------------------------------------------------------------------------------------------------
 # scaling (speed and memory against context)
 # ------------------------------------------------------------------------------------------------

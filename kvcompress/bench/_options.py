@@ -4,6 +4,7 @@ A workload module exposes ``add_arguments(parser)`` and ``run(args)`` (``kvcompr
 <workload>`` and the ``benchmarks/`` scripts call them). Impossible settings (a zero budget, a
 negative count, ...) are a ``ValueError`` naming the setting, the valid range and the value,
 raised before anything runs or is written; ``kvcompress bench`` prints it as one error line.
+Results go to ``kvcompress-results/`` under the current folder unless ``--out`` names another.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ __all__ = [
     "out_dir",
 ]
 
-#: The default output folder.
-DEFAULT_OUT = "docs/results"
+#: The default output folder, relative to the current working directory: the user's own folder,
+#: never a checkout's committed ``docs/results`` (``--out docs/results`` refreshes those).
+DEFAULT_OUT = "kvcompress-results"
 
 
 def int_list(v: Any) -> tuple:
@@ -88,9 +90,9 @@ def options_given(args, names: Sequence[str], quick: Mapping[str, Any]) -> dict:
 
 
 def settings_from_args(args, defaults: Mapping[str, Any], quick: Mapping[str, Any]) -> dict:
-    """Workload settings: ``defaults``, then ``quick`` with ``--quick``, then every option given."""
-    s = {k: v for k, v in defaults.items() if k != "out"}
-    return {**s, **options_given(args, list(s), quick)}
+    """Workload settings: ``defaults``, then ``quick`` with ``--quick``, then every option given
+    (``out`` included, so a result file records the folder it was written to)."""
+    return {**defaults, **options_given(args, list(defaults), quick)}
 
 
 def add_output_arguments(parser, what: str) -> None:

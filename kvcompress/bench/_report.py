@@ -133,14 +133,18 @@ def warn_openblas() -> None:
 
 def finish(payload: Mapping[str, Any], json_path: Path, plot, args) -> None:
     """The end of every workload's ``run``: draw ``plot(payload, <json_path>.png)`` unless
-    ``--no-plot`` (a missing matplotlib is a hint, not an error), then say what was written."""
+    ``--no-plot`` (a missing matplotlib is a hint, not an error), then print one ``wrote <path>``
+    line per file written (to stderr, with the progress; the tables go to stdout)."""
     json_path = Path(json_path)
+    written = [json_path]
     if not getattr(args, "no_plot", False):
         try:
-            plot(payload, json_path.with_suffix(".png"))
+            written.append(Path(plot(payload, json_path.with_suffix(".png"))))
         except ImportError as exc:
             print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {json_path} in {float(payload['seconds_total']):.1f}s", file=sys.stderr)
+    print(f"finished in {float(payload['seconds_total']):.1f}s", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def machine_summary(m: Mapping[str, Any]) -> str:

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache
-from ._options import add_output_arguments, int_list, name_list
+from ._options import DEFAULT_OUT, add_output_arguments, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     #: best equal-memory result at 8x here (docs/bench_models.md)
     "extra": (("snapkv", {"interval": 1}),),
     "seed": 0,
-    "out": "docs/results",
+    "out": DEFAULT_OUT,  # the folder --out names; recorded with the results
 }
 
 

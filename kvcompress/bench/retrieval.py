@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import add_output_arguments, int_list, name_list
+from ._options import DEFAULT_OUT, add_output_arguments, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
@@ -74,7 +74,7 @@ DEFAULTS: dict[str, Any] = {
     #: seed 1; see docs/bench_models.md)
     "extra": (("snapkv", {"recent": 8, "kernel": 11}),),
     "seed": 0,
-    "out": "docs/results",
+    "out": DEFAULT_OUT,  # the folder --out names; recorded with the results
 }
 
 
