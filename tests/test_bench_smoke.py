@@ -426,3 +426,44 @@ def test_bench_command_reports_bad_settings_without_a_traceback(argv, message, t
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["retrieval", "--ratios", "0"],
+         "ratios must be a non-empty list of integers >= 1 (budget = context // ratio), got 0"),
+        (["retrieval", "--ratios", "2,-4"], "ratios must be a non-empty list of integers >= 1"),
+        (["retrieval", "--ratios", ""], "got nothing"),
+        (["retrieval", "--context", "0"], "context must be an integer >= 1, got 0"),
+        (["retrieval", "--samples", "0"], "samples must be an integer >= 1, got 0"),
+        (["retrieval", "--prefill-chunks", "-1"], "prefill_chunks must be a non-empty list of integers >= 0, got -1"),
+        (["retrieval", "--tasks", "copy"], "tasks must be among mqar, passkey, got copy"),
+        (["perplexity", "--windows", "0"], "windows must be an integer >= 1, got 0"),
+        (["perplexity", "--budgets", "0,64"], "budgets must be a non-empty list of integers >= 1, got 0,64"),
+        (["perplexity", "--window", "64", "--prefill", "63"], "prefill must be in [1, window - 2] = [1, 62]"),
+        (["synthetic", "--budgets", "0"], "budgets must be a non-empty list of integers >= 1, got 0"),
+        (["synthetic", "--seq-lens", "-5"], "seq_lens must be a non-empty list of integers >= 2, got -5"),
+        (["synthetic", "--batch", "0"], "batch must be an integer >= 1, got 0"),
+        (["synthetic", "--methods", "no_such_method"], "unknown methods ['no_such_method']"),
+        (["speed", "--budget", "0"], "budget must be an integer >= 1, got 0"),
+        (["speed", "--rounds", "0"], "rounds must be an integer >= 1, got 0"),
+        (["speed", "--context", "100", "--budget", "128"], "context must exceed the budget"),
+        (["speed", "--prefill-step-size", "0"], "prefill_step_size must be an integer >= 1, got 0"),
+        (["speed", "--methods", "no_such_method"], "unknown methods ['no_such_method']"),
+        (["scaling", "--budgets", "0"], "budgets must be a non-empty list of integers >= 1, got 0"),
+        (["scaling", "--decode-tokens", "-1"], "decode_tokens must be >= decode_block (8), got -1"),
+        (["scaling", "--n-layers", "0"], "n_layers must be an integer >= 1, got 0"),
+        (["scaling", "--full-budget", "-1"], "full_budget must be an integer >= 0, got -1"),
+    ],
+)
+def test_impossible_settings_are_one_error_line(argv, message, tmp_path, capsys):
+    """Zero or negative sizes, budgets, ratios and counts stop ``kvcompress bench`` before anything
+    runs or is written, with one line naming the setting, what is valid and the value."""
+    from kvcompress.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvcompress bench {argv[0]}: error: ") and "\n" not in err, err
+    assert message in err, err
+    assert not list(tmp_path.iterdir())

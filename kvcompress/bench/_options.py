@@ -17,7 +17,7 @@ __all__ = [
     "int_list",
     "name_list",
     "check_at_least",
-    "check_settings",
+    "check_minimums",
     "at_least",
     "one_of",
     "options_given",
@@ -55,7 +55,7 @@ def check_at_least(name: str, value: Any, low: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be {what} >= {low}{hint}, got {shown or 'nothing'}")
 
 
-def check_settings(settings: Mapping[str, Any], minimum: Mapping[str, int]) -> None:
+def check_minimums(settings: Mapping[str, Any], minimum: Mapping[str, int]) -> None:
     """:func:`check_at_least` for every setting named in ``minimum`` that is not None."""
     for name, low in minimum.items():
         if settings.get(name) is not None:

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache
-from ._options import DEFAULT_OUT, add_output_arguments, int_list, name_list
+from ._options import DEFAULT_OUT, add_output_arguments, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULTS",
     "default_model_path",
     "default_text_path",
+    "check_settings",
     "prepare_windows",
     "window_nll",
     "run_perplexity",
@@ -108,6 +109,15 @@ def _resolve_text(text: Optional[str]) -> Path:
     return p
 
 
+def check_settings(s: dict) -> None:
+    """Raise ``ValueError`` for impossible settings (before anything is loaded or run)."""
+    check_minimums(s, {"windows": 1, "window": 3, "prefill": 1, "budgets": 1, "batch": 1, "n_sink": 0,
+                                "seed": 0})
+    if not s["prefill"] < s["window"] - 1:
+        raise ValueError(f"prefill must be in [1, window - 2] = [1, {s['window'] - 2}] so that some "
+                         f"tokens are decoded, got {s['prefill']}")
+
+
 def prepare_windows(tokenizer, text: str, window: int = 512, n: Optional[int] = None) -> np.ndarray:
     """``[n, window]`` int32 windows, each ``[BOS] + window - 1`` tokens of the one-call encoding."""
     paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
@@ -160,6 +170,7 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     from kvcompress import get_registry
 
     s = {**DEFAULTS, **(settings or {})}
+    check_settings(s)
     reg = registry or get_registry()
     if model is None:
         import mlx_lm
@@ -321,7 +332,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args) -> dict:
-    return _settings_from_args(args, DEFAULTS, QUICK)
+    """The settings the options give, checked (:func:`check_settings`)."""
+    s = _settings_from_args(args, DEFAULTS, QUICK)
+    check_settings(s)
+    return s
 
 
 def run(args) -> dict:
@@ -331,6 +345,7 @@ def run(args) -> dict:
         payload = run_perplexity(settings_from_args(args), progress=True)
     except FileNotFoundError as exc:
         raise SystemExit(f"kvcompress bench perplexity: {exc}") from None
-    return report_sweep(payload, args, "perplexity", f"Streaming perplexity ({Path(payload['settings']['model']).name}, "
-                        f"{payload['settings']['scored_tokens']} scored tokens, lower is better)", results_table,
-                        plot_perplexity, lambda r: f"C={r['budget']}")
+    st = payload["settings"]
+    title = f"Streaming perplexity ({Path(st['model']).name}, {st['scored_tokens']} scored tokens, lower is better)"
+    return report_sweep(payload, args, "perplexity", title, results_table, plot_perplexity,
+                        lambda r: f"C={r['budget']}")

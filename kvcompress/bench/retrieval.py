@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import DEFAULT_OUT, add_output_arguments, int_list, name_list
+from ._options import DEFAULT_OUT, add_output_arguments, check_at_least, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULTS",
     "ASSET_DIR",
     "load_retrieval_model",
+    "check_settings",
     "make_samples",
     "evaluate",
     "run_retrieval",
@@ -95,6 +96,17 @@ def load_retrieval_model(path: Optional[str | Path] = None):
         )
     model, _ = load_model(p)
     return model, WordTokenizer.from_file(p / "tokenizer.json")
+
+
+def check_settings(s: dict) -> None:
+    """Raise ``ValueError`` for impossible settings (before anything runs)."""
+    from .retrieval_data import TASKS
+
+    check_at_least("ratios", s["ratios"], 1, " (budget = context // ratio)")
+    check_minimums(s, {"context": 1, "samples": 1, "n_pairs": 1, "n_queries": 1, "prefill_chunks": 0,
+                                "n_sink": 0, "seed": 0})
+    if not s["tasks"] or set(s["tasks"]) - set(TASKS):
+        raise ValueError(f"tasks must be among {', '.join(sorted(TASKS))}, got {','.join(s['tasks']) or 'nothing'}")
 
 
 def make_samples(task: str, n: int, context: int, seed: int, n_pairs: int = 8, n_queries: int = 4):
@@ -164,10 +176,11 @@ def run_retrieval(settings: Optional[dict] = None, *, model=None, registry=None,
     from kvcompress import get_registry
 
     s = {**DEFAULTS, **(settings or {})}
+    check_settings(s)
     reg = registry or get_registry()
+    todo = entries(s["methods"], reg, s["extra"])
     if model is None:
         model, _ = load_retrieval_model(s["model"])
-    todo = entries(s["methods"], reg, s["extra"])
     grid = []
     for task in s["tasks"]:
         for chunk in s["prefill_chunks"]:
@@ -337,7 +350,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args) -> dict:
-    return _settings_from_args(args, DEFAULTS, QUICK)
+    """The settings the options give, checked (:func:`check_settings`)."""
+    s = _settings_from_args(args, DEFAULTS, QUICK)
+    check_settings(s)
+    return s
 
 
 def run(args) -> dict:

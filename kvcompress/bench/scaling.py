@@ -46,7 +46,7 @@ import attrs
 from ._caches import cache_bytes, live_kv_bytes, make_cache, method_names, stored_tokens
 from ._harness import Runner, median, paired, release, rotate, round_robin
 from ._model import DTYPES, ModelShape, build_model, random_tokens
-from ._options import add_output_arguments, int_list, name_list, options_given, out_dir
+from ._options import add_output_arguments, check_minimums, int_list, name_list, options_given, out_dir
 from ._report import caption as _caption
 from ._report import (finish, machine_info, markdown_table, print_table, progress_bar, pyplot, save_plot,
                       warn_openblas, write_json)
@@ -83,12 +83,9 @@ class ScalingSettings(ModelShape):
     def __attrs_post_init__(self):
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 1:
             raise ValueError(f"contexts must be increasing positive token counts, got {self.contexts}")
-        if not self.budgets or min(self.budgets) < 1:
-            raise ValueError(f"budgets must be positive token counts, got {self.budgets}")
-        if self.decode_block < 2 or self.decode_tokens < self.decode_block:
-            raise ValueError("need decode_block >= 2 and decode_tokens >= decode_block")
-        if self.sync_tokens < 0:
-            raise ValueError(f"sync_tokens must be >= 0, got {self.sync_tokens}")
+        check_minimums(self.to_dict(), {"budgets": 1, "full_budget": 0, "decode_block": 2, "sync_tokens": 0})
+        if self.decode_tokens < self.decode_block:
+            raise ValueError(f"decode_tokens must be >= decode_block ({self.decode_block}), got {self.decode_tokens}")
         if self.full_budget not in (None, 0) and self.full_budget not in self.budgets:
             raise ValueError(f"full_budget {self.full_budget} is not one of the budgets {self.budgets}")
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import attrs
 import mlx.core as mx
 
-from ._caches import make_cache, stored_tokens
+from ._caches import make_cache, method_names, stored_tokens
 from ._harness import (
     interleave,
     median,
@@ -53,7 +53,7 @@ from ._harness import (
     time_generation,
 )
 from ._model import DTYPES, ModelShape, build_model, random_tokens
-from ._options import add_output_arguments, options_given, out_dir
+from ._options import add_output_arguments, check_minimums, options_given, out_dir
 from ._profile import profile_decode, profile_markdown, profile_table
 from ._report import caption as _caption
 from ._report import finish, machine_info, markdown_table, print_table, pyplot, save_plot, warn_openblas, write_json
@@ -99,10 +99,12 @@ class SpeedSettings(ModelShape):
             raise ValueError(f"unknown baselines {sorted(bad)}; choose from rotating, full")
         if "rotating" not in self.baselines:
             raise ValueError("the rotating baseline is required: ratios are stated against it")
+        check_minimums(self.to_dict(), {"budget": 1, "decode_block": 2, "rounds": 1, "profile_steps": 1})
         if self.context <= self.budget:
-            raise ValueError("context must exceed the budget, or nothing is ever evicted")
-        if self.decode_block < 2 or self.decode_tokens < self.decode_block:
-            raise ValueError("need decode_block >= 2 and decode_tokens >= decode_block")
+            raise ValueError(f"context must exceed the budget, or nothing is ever evicted; got context "
+                             f"{self.context}, budget {self.budget}")
+        if self.decode_tokens < self.decode_block:
+            raise ValueError(f"decode_tokens must be >= decode_block ({self.decode_block}), got {self.decode_tokens}")
 
     def kinds(self) -> list[str]:
         return [*self.methods, *self.baselines]
@@ -127,9 +129,11 @@ def run_speed(
     ``prefill_s`` and ``decode_tok_s`` and, for kinds other than ``rotating``, the medians of
     the paired ratios with ``target_met``.
     """
-    from kvcompress import install
+    from kvcompress import get_registry, install
 
     s = settings or SpeedSettings()
+    if s.methods:
+        method_names(s.methods, get_registry())  # unknown names: a ValueError before anything runs
     say = progress or (lambda m: None)
     t_start, cpu_start = time.perf_counter(), time.process_time()
     payload: dict[str, Any] = {"benchmark": "speed", "machine": machine_info(), "settings": s.to_dict()}

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 import attrs
 import numpy as np
 
-from ._options import add_output_arguments, options_given, out_dir
+from ._caches import method_names
+from ._options import add_output_arguments, check_minimums, one_of, options_given, out_dir
 from ._report import caption as _caption
 from ._report import (finish, machine_info, markdown_table, print_table, pyplot, result_labels, save_plot,
                       warn_openblas, write_json)
@@ -49,11 +50,8 @@ __all__ = [
     "settings_from_args",
 ]
 
+SCENARIOS = ("structured", "iid")
 _MODE_ABBREV = {"sim_weighted": "sw", "mean": "mean", "drop": "drop"}
-
-
-def _tuple(x):
-    return tuple(x) if x is not None else None
 
 
 @attrs.frozen
@@ -65,7 +63,7 @@ class SyntheticSettings:
     merge_modes: tuple = attrs.field(default=("sim_weighted", "mean", "drop"), converter=tuple)
     gates: tuple = attrs.field(default=(True, False), converter=tuple)
     #: method names to run; None = every registered method
-    methods: Optional[tuple] = attrs.field(default=None, converter=_tuple)
+    methods: Optional[tuple] = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     baselines: tuple = attrs.field(default=("full", "rotating"), converter=tuple)
     #: methods swept over ``merge_modes x gates`` (their disposition must take ``merge`` and
     #: ``merge_gate``); every other method runs once with its registered defaults
@@ -78,7 +76,7 @@ class SyntheticSettings:
     )
     #: data generators: "structured" (clusters, heavy hitters, peaked queries) and/or "iid"
     #: (i.i.d. Gaussian keys, values and queries: diffuse attention, the design note's setting)
-    scenarios: tuple = attrs.field(default=("structured", "iid"), converter=tuple)
+    scenarios: tuple = attrs.field(default=SCENARIOS, converter=tuple, validator=one_of(SCENARIOS))
     n_decode: int = 128
     #: prefill chunk size (mlx-lm's chunked prefill); None = the whole prefill as one chunk
     prefill_step: Optional[int] = 512
@@ -96,20 +94,24 @@ class SyntheticSettings:
     query_noise: float = 0.3
     n_probe: int = 64
     n_sink: int = 4
-    dtype: str = "float16"
+    dtype: str = attrs.field(default="float16", validator=one_of(("float16", "bfloat16", "float32")))
     seeds: tuple = attrs.field(default=(0,), converter=tuple)
 
     def __attrs_post_init__(self):
+        check_minimums(self.to_dict(), {
+            "seq_lens": 2, "budgets": 1, "n_decode": 0, "prefill_step": 1, "batch": 1, "n_kv_heads": 1,
+            "n_q_heads": 1, "head_dim": 1, "n_clusters": 1, "recent_window": 1, "n_probe": 1, "n_sink": 0,
+            "seeds": 0})
         if self.n_q_heads % self.n_kv_heads:
-            raise ValueError("n_q_heads must be a multiple of n_kv_heads")
+            raise ValueError(f"n_q_heads must be a multiple of n_kv_heads, got {self.n_q_heads} and {self.n_kv_heads}")
+        for name in ("hot_frac", "p_hot", "p_recent"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {getattr(self, name)}")
         if self.p_hot + self.p_recent > 1:
-            raise ValueError("p_hot + p_recent must be <= 1")
+            raise ValueError(f"p_hot + p_recent must be <= 1, got {self.p_hot} + {self.p_recent}")
         bad = set(self.baselines) - {"full", "rotating"}
         if bad:
             raise ValueError(f"unknown baselines {sorted(bad)}; choose from full, rotating")
-        bad = set(self.scenarios) - {"structured", "iid"}
-        if bad:
-            raise ValueError(f"unknown scenarios {sorted(bad)}; choose from structured, iid")
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -144,7 +146,7 @@ def method_variants(s: SyntheticSettings, registry=None) -> list[tuple[str, dict
     from kvcompress import get_registry
 
     reg = registry or get_registry()
-    names = list(s.methods) if s.methods is not None else sorted(reg.methods)
+    names = [] if s.methods == () else method_names(s.methods, reg)
     out = []
     for name in names:
         spec = reg.method(name)
