@@ -5,31 +5,15 @@
     python benchmarks/speed.py --quick    # tiny model, seconds
     python benchmarks/speed.py --rounds 5 --dtype bfloat16 --prefill-step-size 2048
 
-Writes <out>/speed.json and speed.png and prints the ratio table and the decode profile; the
-same as ``kvcompress bench speed``. See docs/benchmarks.md and kvcompress/bench/speed.py.
+Writes speed.json and speed.png and prints the ratio table and the decode profile: the same as
+``kvcompress bench speed``, which this script runs. Output folder: ``--out DIR``, by default
+``./kvcompress-results``; ``--out docs/results`` refreshes the committed results. See
+docs/benchmarks.md and kvcompress/bench/speed.py.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-from kvcompress._blas import reexec_with_openblas
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def main(argv=None) -> int:
-    from kvcompress.bench import speed
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    speed.add_arguments(ap)
-    ap.set_defaults(out=str(REPO / "docs" / "results"))
-    speed.run(ap.parse_args(argv))
-    return 0
-
+from kvcompress.cli import main
 
 if __name__ == "__main__":
-    reexec_with_openblas([__file__, *sys.argv[1:]])
-    sys.exit(main())
+    sys.exit(main(["bench", "speed", *sys.argv[1:]]))

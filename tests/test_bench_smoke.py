@@ -12,7 +12,7 @@ import pytest
 
 import kvcompress
 from kvcompress import MethodSpec, Registry, hookimpl
-from kvcompress.bench import _report
+from kvcompress.bench import _harness, _profile, _report
 from kvcompress.bench import speed as speed_mod
 from kvcompress.bench import synthetic as syn
 
@@ -199,7 +199,7 @@ def test_speed_profile_counts_cache_ops(speed_payload):
     for var in ("rotating", "h2o", "h2o[no_score]", "cam", "cam[no_score]"):
         assert prof["layer_prefill_chunk_ms"][var]["ms"] > 0
     assert {"sdpa", "attention_mass"} <= set(prof["prefill_component_ms"])
-    cols, rows = speed_mod.profile_table(speed_payload)
+    cols, rows = _profile.profile_table(speed_payload)
     assert len(rows) == len(prof["model_step_ms"])
 
 
@@ -218,7 +218,7 @@ def test_count_ops_counts_primitives():
 
     a = mx.ones((4, 4))
     mx.eval(a)
-    out = speed_mod.count_ops((a @ a + 1).sum())
+    out = _profile.count_ops((a @ a + 1).sum())
     assert out["by_op"].get("Matmul") == 1
     assert out["n_ops"] == sum(out["by_op"].values()) >= 3
 
@@ -234,7 +234,7 @@ def test_dtype_probe_reports_each_dtype():
 def test_interleave_rotates_order_and_times_every_stepper():
     calls = []
     steppers = {n: (lambda n=n: calls.append(n)) for n in "abc"}
-    out = speed_mod.interleave(steppers, n_blocks=3, k=2)
+    out = _harness.interleave(steppers, n_blocks=3, k=2)
     assert {n: len(v) for n, v in out.items()} == {"a": 3, "b": 3, "c": 3}
     assert all(t >= 0 for v in out.values() for t in v)
     # blocks of k calls, the starting stepper rotated each block
@@ -291,6 +291,35 @@ def test_command_line_writes_results(workload, argv, outputs, tmp_path, capsys):
         assert data["settings"]["contexts"] == [96, 128] and data["settings"]["budgets"] == [64]
         assert {r["kind"] for r in data["summary"]} == {"h2o", "cam", "rotating", "full"}
     assert "rotating" in capsys.readouterr().out
+
+
+def test_bench_writes_only_under_kvcompress_results_and_names_each_file(tmp_path, monkeypatch, capsys):
+    """Without ``--out``, ``kvcompress bench`` writes under ``./kvcompress-results`` (the user's
+    folder, never a checkout's committed docs/results) and prints one ``wrote <path>`` per file."""
+    from pathlib import Path
+
+    from kvcompress.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert main(["bench", "synthetic", "--quick", "--seq-lens", "64", "--budgets", "16", "--methods", "h2o",
+                     "--scenarios", "structured", "--plain"]) == 0
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert tmp_path / "kvcompress-results" / "synthetic.json" in written
+    assert all(p.parent == tmp_path / "kvcompress-results" for p in written), written
+    err = capsys.readouterr().err
+    wrote = [line.removeprefix("wrote ") for line in err.splitlines() if line.startswith("wrote ")]
+    assert sorted(tmp_path / Path(w) for w in wrote) == written
+    assert all(not Path(w).is_absolute() for w in wrote)  # as the user would type them
+
+
+def test_every_workload_defaults_to_kvcompress_results():
+    from kvcompress.cli import BENCH_WORKLOADS, build_parser
+
+    parser = build_parser()
+    for workload in BENCH_WORKLOADS:
+        assert parser.parse_args(["bench", workload]).out == "kvcompress-results", workload
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,3 +426,44 @@ def test_bench_command_reports_bad_settings_without_a_traceback(argv, message, t
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["retrieval", "--ratios", "0"],
+         "ratios must be a non-empty list of integers >= 1 (budget = context // ratio), got 0"),
+        (["retrieval", "--ratios", "2,-4"], "ratios must be a non-empty list of integers >= 1"),
+        (["retrieval", "--ratios", ""], "got nothing"),
+        (["retrieval", "--context", "0"], "context must be an integer >= 1, got 0"),
+        (["retrieval", "--samples", "0"], "samples must be an integer >= 1, got 0"),
+        (["retrieval", "--prefill-chunks", "-1"], "prefill_chunks must be a non-empty list of integers >= 0, got -1"),
+        (["retrieval", "--tasks", "copy"], "tasks must be among mqar, passkey, got copy"),
+        (["perplexity", "--windows", "0"], "windows must be an integer >= 1, got 0"),
+        (["perplexity", "--budgets", "0,64"], "budgets must be a non-empty list of integers >= 1, got 0,64"),
+        (["perplexity", "--window", "64", "--prefill", "63"], "prefill must be in [1, window - 2] = [1, 62]"),
+        (["synthetic", "--budgets", "0"], "budgets must be a non-empty list of integers >= 1, got 0"),
+        (["synthetic", "--seq-lens", "-5"], "seq_lens must be a non-empty list of integers >= 2, got -5"),
+        (["synthetic", "--batch", "0"], "batch must be an integer >= 1, got 0"),
+        (["synthetic", "--methods", "no_such_method"], "unknown methods ['no_such_method']"),
+        (["speed", "--budget", "0"], "budget must be an integer >= 1, got 0"),
+        (["speed", "--rounds", "0"], "rounds must be an integer >= 1, got 0"),
+        (["speed", "--context", "100", "--budget", "128"], "context must exceed the budget"),
+        (["speed", "--prefill-step-size", "0"], "prefill_step_size must be an integer >= 1, got 0"),
+        (["speed", "--methods", "no_such_method"], "unknown methods ['no_such_method']"),
+        (["scaling", "--budgets", "0"], "budgets must be a non-empty list of integers >= 1, got 0"),
+        (["scaling", "--decode-tokens", "-1"], "decode_tokens must be >= decode_block (8), got -1"),
+        (["scaling", "--n-layers", "0"], "n_layers must be an integer >= 1, got 0"),
+        (["scaling", "--full-budget", "-1"], "full_budget must be an integer >= 0, got -1"),
+    ],
+)
+def test_impossible_settings_are_one_error_line(argv, message, tmp_path, capsys):
+    """Zero or negative sizes, budgets, ratios and counts stop ``kvcompress bench`` before anything
+    runs or is written, with one line naming the setting, what is valid and the value."""
+    from kvcompress.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvcompress bench {argv[0]}: error: ") and "\n" not in err, err
+    assert message in err, err
+    assert not list(tmp_path.iterdir())

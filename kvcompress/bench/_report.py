@@ -28,9 +28,13 @@ __all__ = [
     "fmt",
     "openblas_note",
     "warn_openblas",
-    "int_list",
-    "name_list",
+    "caption",
+    "pyplot",
+    "save_plot",
+    "result_labels",
+    "progress_bar",
     "finish",
+    "report_sweep",
 ]
 
 
@@ -127,28 +131,20 @@ def warn_openblas() -> None:
         print(note, file=sys.stderr)
 
 
-def int_list(v: Any) -> tuple:
-    """``"1,2 3"`` or an iterable of numbers -> ``(1, 2, 3)`` (a command-line option type)."""
-    if isinstance(v, str):
-        v = v.replace(",", " ").split()
-    return tuple(int(x) for x in v)
-
-
-def name_list(text: str) -> tuple:
-    """``"a, b,"`` -> ``("a", "b")`` (a command-line option type)."""
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def finish(payload: Mapping[str, Any], json_path: Path, plot, args) -> None:
     """The end of every workload's ``run``: draw ``plot(payload, <json_path>.png)`` unless
-    ``--no-plot`` (a missing matplotlib is a hint, not an error), then say what was written."""
+    ``--no-plot`` (a missing matplotlib is a hint, not an error), then print one ``wrote <path>``
+    line per file written (to stderr, with the progress; the tables go to stdout)."""
     json_path = Path(json_path)
+    written = [json_path]
     if not getattr(args, "no_plot", False):
         try:
-            plot(payload, json_path.with_suffix(".png"))
+            written.append(Path(plot(payload, json_path.with_suffix(".png"))))
         except ImportError as exc:
             print(f"no plot ({exc}); pip install 'kvcompress[bench]'", file=sys.stderr)
-    print(f"wrote {json_path} in {float(payload['seconds_total']):.1f}s", file=sys.stderr)
+    print(f"finished in {float(payload['seconds_total']):.1f}s", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def machine_summary(m: Mapping[str, Any]) -> str:
@@ -220,6 +216,33 @@ def save_figure(fig, path: os.PathLike | str, caption: str) -> Path:
     return p
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (ImportError without matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(fig, path: os.PathLike | str, caption: str) -> Path:
+    """Lay out ``fig``, save it with ``caption`` (:func:`save_figure`) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    p = save_figure(fig, path, caption)
+    plt.close(fig)
+    return p
+
+
+def caption(payload: Mapping[str, Any], keys: Iterable[str], lead: str = "", extra: str = "",
+            settings: Optional[Mapping[str, Any]] = None) -> str:
+    """The line under a plot: ``{lead}Settings: k=v, ...{extra}. Machine: ...``."""
+    shown = settings_summary(settings if settings is not None else payload["settings"], keys)
+    return f"{lead}Settings: {shown}{extra}. Machine: {machine_summary(payload['machine'])}"
+
+
 def fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "-"
@@ -285,28 +308,33 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([head, rule, *("| " + " | ".join(r) + " |" for r in cells)])
 
 
-def settings_from_args(args, defaults: Mapping[str, Any], quick: Mapping[str, Any]) -> dict:
-    """Workload settings: ``defaults``, then ``quick`` with ``--quick``, then every option given."""
-    s = {k: v for k, v in defaults.items() if k != "out"}
-    if getattr(args, "quick", False):
-        s.update(quick)
-    for k in list(s):
-        v = getattr(args, k, None)
-        if v is not None:
-            s[k] = v
-    return s
-
-
 def result_labels(payload: Mapping[str, Any]) -> list[str]:
     """The distinct ``label`` of ``payload["results"]``, in first-seen order."""
     return list(dict.fromkeys(r["label"] for r in payload["results"]))
 
 
-def add_output_arguments(parser, what: str) -> None:
-    """The options every workload shares: ``--out`` (alias ``--out-dir``), ``--no-plot``,
-    ``--plain``, ``--markdown``."""
-    parser.add_argument("--out", "--out-dir", dest="out", default="docs/results",
-                        help=f"folder for {what} (default: docs/results)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--plain", action="store_true", help="plain-text tables (no rich)")
-    parser.add_argument("--markdown", action="store_true", help="also print markdown tables")
+def progress_bar(items: Optional[Iterable] = None, **kw):
+    """A ``tqdm`` bar on stderr (over ``items``, or with ``total=``); without tqdm, ``items``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, file=sys.stderr, **kw)
+
+
+def report_sweep(payload: dict, args, name: str, title: str, table, plot, where) -> dict:
+    """The end of a sweep workload's ``run``: write ``<out>/<name>.json``, print ``table(payload)``
+    (and as markdown with ``--markdown``) and a line per failed record (``where(record)`` says
+    which setting), then :func:`finish`; return ``payload``."""
+    from ._options import out_dir
+
+    json_path = write_json(out_dir(args) / f"{name}.json", payload)
+    cols, rows = table(payload)
+    print_table(title, cols, rows, plain=getattr(args, "plain", False))
+    for r in payload["results"]:
+        if "error" in r:
+            print(f"  {r['label']} ({where(r)}): {r['error']}")
+    if getattr(args, "markdown", False):
+        print(markdown_table(cols, rows))
+    finish(payload, json_path, plot, args)
+    return payload

@@ -31,13 +31,17 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from ._report import int_list, name_list
-from .retrieval import entries, live_kv_bytes
+from ._caches import entries, live_kv_bytes, make_cache
+from ._options import DEFAULT_OUT, add_output_arguments, check_minimums, int_list, name_list
+from ._options import settings_from_args as _settings_from_args
+from ._report import caption as _caption
+from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
 
 __all__ = [
     "DEFAULTS",
     "default_model_path",
     "default_text_path",
+    "check_settings",
     "prepare_windows",
     "window_nll",
     "run_perplexity",
@@ -49,7 +53,6 @@ __all__ = [
 ]
 
 _REPO = Path(__file__).resolve().parents[2]
-BASELINES = ("full", "rotating")
 
 #: The committed run (docs/results/perplexity.json).
 DEFAULTS: dict[str, Any] = {
@@ -67,7 +70,7 @@ DEFAULTS: dict[str, Any] = {
     #: best equal-memory result at 8x here (docs/bench_models.md)
     "extra": (("snapkv", {"interval": 1}),),
     "seed": 0,
-    "out": "docs/results",
+    "out": DEFAULT_OUT,  # the folder --out names; recorded with the results
 }
 
 
@@ -106,6 +109,15 @@ def _resolve_text(text: Optional[str]) -> Path:
     return p
 
 
+def check_settings(s: dict) -> None:
+    """Raise ``ValueError`` for impossible settings (before anything is loaded or run)."""
+    check_minimums(s, {"windows": 1, "window": 3, "prefill": 1, "budgets": 1, "batch": 1, "n_sink": 0,
+                                "seed": 0})
+    if not s["prefill"] < s["window"] - 1:
+        raise ValueError(f"prefill must be in [1, window - 2] = [1, {s['window'] - 2}] so that some "
+                         f"tokens are decoded, got {s['prefill']}")
+
+
 def prepare_windows(tokenizer, text: str, window: int = 512, n: Optional[int] = None) -> np.ndarray:
     """``[n, window]`` int32 windows, each ``[BOS] + window - 1`` tokens of the one-call encoding."""
     paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
@@ -123,19 +135,6 @@ def prepare_windows(tokenizer, text: str, window: int = 512, n: Optional[int] = 
         raise ValueError(f"text too short for one window of {window} tokens")
     body = np.array(ids[: count * step], dtype=np.int32).reshape(count, step)
     return np.concatenate([np.full((count, 1), bos, dtype=np.int32), body], axis=1)
-
-
-def _make_cache(model, kind: str, name: str, budget: int, n_sink: int, seed: int,
-                params: Optional[dict] = None, registry=None):
-    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache as mlx_cache
-
-    from kvcompress import make_prompt_cache
-
-    if kind == "method":
-        return make_prompt_cache(model, name, registry=registry, budget=budget, seed=seed, **(params or {}))
-    if name == "full":
-        return mlx_cache(model)
-    return [RotatingKVCache(max_size=budget, keep=n_sink) for _ in model.layers]
 
 
 def window_nll(model, windows: np.ndarray, cache, prefill: int) -> np.ndarray:
@@ -170,9 +169,8 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     """
     from kvcompress import get_registry
 
-    from ._report import machine_info
-
     s = {**DEFAULTS, **(settings or {})}
+    check_settings(s)
     reg = registry or get_registry()
     if model is None:
         import mlx_lm
@@ -190,7 +188,8 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     def measure(kind, name, params, budget):
         nlls, cache = [], None
         for wb in batches:
-            cache = _make_cache(model, kind, name, budget or 0, s["n_sink"], s["seed"], params, reg)
+            cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
+                               registry=reg)
             nlls.append(window_nll(model, wb, cache, s["prefill"]))
         kept = float(np.mean([c.size() for c in cache]))
         return np.concatenate(nlls, axis=0), kept, live_kv_bytes(cache) / len(batches[-1])
@@ -199,7 +198,8 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     grid = [("baseline", "full", {}, "full", None)] + [(*e, b) for b in s["budgets"] for e in todo]
     full_nll = None
     results: list[dict] = []
-    for kind, name, params, label, budget in _progress(grid, progress):
+    for kind, name, params, label, budget in (
+            progress_bar(grid, desc="perplexity", unit="run", leave=False) if progress else grid):
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"kind": kind, "method": name, "label": label, "params": params,
                                "budget": budget, "ratio": None if budget is None else s["window"] / budget}
@@ -234,16 +234,6 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
     }
 
 
-def _progress(items, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc="perplexity", unit="run", leave=False)
-
-
 # --------------------------------------------------------------------------------------------
 # Presentation
 # --------------------------------------------------------------------------------------------
@@ -271,25 +261,17 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
 
 
 def caption(payload: dict) -> str:
-    from ._report import machine_summary, settings_summary
-
     st = dict(payload["settings"])
     st["model"] = Path(str(st["model"])).name
     st["text"] = Path(str(st["text"])).name
     keys = ("model", "text", "windows", "window", "prefill", "scored_tokens", "n_sink", "seed")
-    return ("Teacher-forced streaming perplexity of decoded tokens (lower is better). Settings: "
-            + settings_summary(st, keys) + ". Machine: " + machine_summary(payload["machine"]))
+    return _caption(payload, keys, lead="Teacher-forced streaming perplexity of decoded tokens (lower is better). ",
+                    settings=st)
 
 
 def plot_perplexity(payload: dict, path) -> Path:
     """Perplexity gap to the full cache vs budget, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ._report import save_figure
-
+    plt = pyplot()
     st = payload["settings"]
     budgets = list(st["budgets"])
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -317,10 +299,7 @@ def plot_perplexity(payload: dict, path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.set_title(f"Streaming perplexity, {Path(str(st['model'])).name}: lower is better", fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path, caption(payload))
-    plt.close(fig)
-    return Path(path)
+    return save_plot(fig, path, caption(payload))
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,36 +328,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
-    from ._report import add_output_arguments
-
     add_output_arguments(parser, "perplexity.json/.png")
 
 
 def settings_from_args(args) -> dict:
-    from ._report import settings_from_args as from_args
-
-    return from_args(args, DEFAULTS, QUICK)
+    """The settings the options give, checked (:func:`check_settings`)."""
+    s = _settings_from_args(args, DEFAULTS, QUICK)
+    check_settings(s)
+    return s
 
 
 def run(args) -> dict:
     """``kvcompress bench perplexity``: run, write ``<out>/perplexity.json`` (+ .png), print a table."""
-    from ._report import finish, markdown_table, print_table, warn_openblas, write_json
-
     warn_openblas()
     try:
         payload = run_perplexity(settings_from_args(args), progress=True)
     except FileNotFoundError as exc:
         raise SystemExit(f"kvcompress bench perplexity: {exc}") from None
-    out = Path(getattr(args, "out", None) or DEFAULTS["out"])
-    write_json(out / "perplexity.json", payload)
-    cols, rows = results_table(payload)
-    print_table(f"Streaming perplexity ({Path(payload['settings']['model']).name}, "
-                f"{payload['settings']['scored_tokens']} scored tokens, lower is better)", cols, rows,
-                plain=getattr(args, "plain", False))
-    for r in payload["results"]:
-        if "error" in r:
-            print(f"  {r['label']} (C={r['budget']}): {r['error']}")
-    if getattr(args, "markdown", False):
-        print(markdown_table(cols, rows))
-    finish(payload, out / 'perplexity.json', plot_perplexity, args)
-    return payload
+    st = payload["settings"]
+    title = f"Streaming perplexity ({Path(st['model']).name}, {st['scored_tokens']} scored tokens, lower is better)"
+    return report_sweep(payload, args, "perplexity", title, results_table, plot_perplexity,
+                        lambda r: f"C={r['budget']}")

@@ -33,17 +33,20 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ._report import int_list, name_list, result_labels
+from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
+from ._options import DEFAULT_OUT, add_output_arguments, check_at_least, check_minimums, int_list, name_list
+from ._options import settings_from_args as _settings_from_args
+from ._report import caption as _caption
+from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
 from .retrieval_data import WordTokenizer, make_sample
 
 __all__ = [
     "DEFAULTS",
     "ASSET_DIR",
     "load_retrieval_model",
+    "check_settings",
     "make_samples",
     "evaluate",
-    "entries",
-    "live_kv_bytes",
     "run_retrieval",
     "add_arguments",
     "run",
@@ -53,7 +56,6 @@ __all__ = [
 ]
 
 ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "retrieval"
-BASELINES = ("full", "rotating")
 
 #: The committed run (docs/results/retrieval.json); a couple of minutes on 2 CPU cores.
 DEFAULTS: dict[str, Any] = {
@@ -73,7 +75,7 @@ DEFAULTS: dict[str, Any] = {
     #: seed 1; see docs/bench_models.md)
     "extra": (("snapkv", {"recent": 8, "kernel": 11}),),
     "seed": 0,
-    "out": "docs/results",
+    "out": DEFAULT_OUT,  # the folder --out names; recorded with the results
 }
 
 
@@ -96,6 +98,17 @@ def load_retrieval_model(path: Optional[str | Path] = None):
     return model, WordTokenizer.from_file(p / "tokenizer.json")
 
 
+def check_settings(s: dict) -> None:
+    """Raise ``ValueError`` for impossible settings (before anything runs)."""
+    from .retrieval_data import TASKS
+
+    check_at_least("ratios", s["ratios"], 1, " (budget = context // ratio)")
+    check_minimums(s, {"context": 1, "samples": 1, "n_pairs": 1, "n_queries": 1, "prefill_chunks": 0,
+                                "n_sink": 0, "seed": 0})
+    if not s["tasks"] or set(s["tasks"]) - set(TASKS):
+        raise ValueError(f"tasks must be among {', '.join(sorted(TASKS))}, got {','.join(s['tasks']) or 'nothing'}")
+
+
 def make_samples(task: str, n: int, context: int, seed: int, n_pairs: int = 8, n_queries: int = 4):
     """``n`` seeded samples of ``task``; the same for every cache so comparisons are paired."""
     rng = np.random.default_rng([seed, context, 0 if task == "passkey" else 1])
@@ -106,19 +119,6 @@ def make_samples(task: str, n: int, context: int, seed: int, n_pairs: int = 8, n
 # --------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------
-
-
-def _make_cache(model, kind: str, name: str, budget: int, n_sink: int, seed: int,
-                params: Optional[dict] = None, registry=None):
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-    from kvcompress import make_prompt_cache
-
-    if kind == "method":
-        return make_prompt_cache(model, name, registry=registry, budget=budget, seed=seed, **(params or {}))
-    if name == "full":
-        return [KVCache() for _ in model.layers]
-    return [RotatingKVCache(max_size=budget, keep=n_sink) for _ in model.layers]
 
 
 def _forward(model, cache, tokens: np.ndarray, chunk: int) -> mx.array:
@@ -157,52 +157,10 @@ def evaluate(model, samples: Sequence, cache, prefill_chunk: int = 0) -> dict:
             if j + 1 < a.shape[1]:
                 logits = model(tok[:, None], cache=cache)[:, -1, :]
         if kept is None:
-            kept = float(np.mean([c.size() if hasattr(c, "size") else c.offset for c in cache]))
+            kept = float(np.mean([stored_tokens(c) for c in cache]))
         pending = got[-1].astype(np.int32)
         answered[:, r] = np.all(np.stack(got, axis=1) == a, axis=1)
     return {"answered": answered, "kept": kept}
-
-
-def live_kv_bytes(cache) -> int:
-    """Bytes of live cache data, not spare capacity.
-
-    A kvcompress cache's ``state`` holds exactly what it keeps (stored keys/values sliced to
-    its size, positions, scores, quantized blocks). mlx-lm's caches may return their whole
-    preallocated buffer, so only their first ``size()`` slots of keys and values are counted.
-    """
-    from kvcompress import CompressedKVCache
-
-    total = 0
-    for c in cache:
-        arrays = [a for a in c.state if isinstance(a, mx.array)]
-        if isinstance(c, CompressedKVCache):
-            total += sum(int(a.nbytes) for a in arrays)
-        else:
-            k, v = arrays[:2]
-            n = min(int(c.size()), k.shape[2])
-            total += (int(k.nbytes) + int(v.nbytes)) * n // k.shape[2]
-    return total
-
-
-def _label(name: str, params: dict) -> str:
-    return name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
-
-
-def entries(methods: Optional[Sequence[str]], registry, extra: Sequence = ()) -> list[tuple]:
-    """``(kind, method, params, label)`` for the baselines, the methods and the extra variants.
-
-    ``methods`` None = every registered method, so a newly installed plugin is benchmarked
-    without touching this file; extra variants of unregistered methods are skipped.
-    """
-    names = list(methods) if methods else sorted(registry.methods)
-    unknown = [n for n in names if n not in registry.methods and n not in BASELINES]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; registered: {sorted(registry.methods)}")
-    out = [("baseline", b, {}, b) for b in BASELINES]
-    out += [("method", n, {}, n) for n in names if n not in BASELINES]
-    out += [("method", n, dict(p), _label(n, dict(p))) for n, p in (extra or ())
-            if n in registry.methods and (not methods or n in names)]
-    return out
 
 
 def run_retrieval(settings: Optional[dict] = None, *, model=None, registry=None, progress=True) -> dict:
@@ -217,13 +175,12 @@ def run_retrieval(settings: Optional[dict] = None, *, model=None, registry=None,
     """
     from kvcompress import get_registry
 
-    from ._report import machine_info
-
     s = {**DEFAULTS, **(settings or {})}
+    check_settings(s)
     reg = registry or get_registry()
+    todo = entries(s["methods"], reg, s["extra"])
     if model is None:
         model, _ = load_retrieval_model(s["model"])
-    todo = entries(s["methods"], reg, s["extra"])
     grid = []
     for task in s["tasks"]:
         for chunk in s["prefill_chunks"]:
@@ -237,13 +194,15 @@ def run_retrieval(settings: Optional[dict] = None, *, model=None, registry=None,
     results: list[dict] = []
     full_bytes: dict = {}
     t_start = time.perf_counter()
-    for task, chunk, kind, name, params, label, ratio in _progress(grid, progress):
+    for task, chunk, kind, name, params, label, ratio in (
+            progress_bar(grid, desc="retrieval", unit="run", leave=False) if progress else grid):
         budget = None if name == "full" else max(1, s["context"] // ratio)
         rec: dict[str, Any] = {"task": task, "prefill_chunk": chunk, "kind": kind, "method": name,
                                "label": label, "params": params, "ratio": ratio, "budget": budget}
         t0 = time.perf_counter()
         try:
-            cache = _make_cache(model, kind, name, budget or 0, s["n_sink"], s["seed"], params, reg)
+            cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
+                               registry=reg)
             out = evaluate(model, samples[task], cache, chunk)
         except Exception as exc:  # one method failing at one setting must not end the sweep
             rec["error"] = f"{type(exc).__name__}: {exc}"
@@ -282,16 +241,6 @@ def run_retrieval(settings: Optional[dict] = None, *, model=None, registry=None,
     }
 
 
-def _progress(items, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc="retrieval", unit="run", leave=False)
-
-
 # --------------------------------------------------------------------------------------------
 # Presentation
 # --------------------------------------------------------------------------------------------
@@ -323,13 +272,10 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
 
 
 def caption(payload: dict) -> str:
-    from ._report import machine_summary, settings_summary
-
     keys = ("model", "context", "samples", "n_pairs", "n_queries", "n_sink", "seed")
-    return ("Exact-match accuracy of greedy answers (higher is better); each method runs at "
-            "budgets context / " + "/".join(str(x) for x in payload["settings"]["ratios"])
-            + " tokens per layer, plotted at its measured memory compression. Settings: " + settings_summary(payload["settings"], keys)
-            + ". Machine: " + machine_summary(payload["machine"]))
+    return _caption(payload, keys, lead="Exact-match accuracy of greedy answers (higher is better); each method "
+                    "runs at budgets context / " + "/".join(str(x) for x in payload["settings"]["ratios"])
+                    + " tokens per layer, plotted at its measured memory compression. ")
 
 
 def plot_retrieval(payload: dict, path) -> Path:
@@ -337,13 +283,7 @@ def plot_retrieval(payload: dict, path) -> Path:
     method. Measured, not nominal: a quantizing method (KIVI) run at budget ``context / 8``
     keeps every token in fewer bits and lands near 3x, not 8x; eviction methods land slightly
     below the nominal ratio because positions and scores are stored too."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ._report import save_figure
-
+    plt = pyplot()
     st = payload["settings"]
     tasks, chunks, ratios = st["tasks"], st["prefill_chunks"], list(st["ratios"])
     labels = [m for m in result_labels(payload) if m != "full"]
@@ -379,10 +319,7 @@ def plot_retrieval(payload: dict, path) -> Path:
                 ax.set_ylabel("exact-match accuracy")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle("Needle retrieval with a bounded KV cache (embedded model), higher is better", fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path, caption(payload))
-    plt.close(fig)
-    return Path(path)
+    return save_plot(fig, path, caption(payload))
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,32 +346,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
-    from ._report import add_output_arguments
-
     add_output_arguments(parser, "retrieval.json/.png")
 
 
 def settings_from_args(args) -> dict:
-    from ._report import settings_from_args as from_args
-
-    return from_args(args, DEFAULTS, QUICK)
+    """The settings the options give, checked (:func:`check_settings`)."""
+    s = _settings_from_args(args, DEFAULTS, QUICK)
+    check_settings(s)
+    return s
 
 
 def run(args) -> dict:
     """``kvcompress bench retrieval``: run, write ``<out>/retrieval.json`` (+ .png), print a table."""
-    from ._report import finish, markdown_table, print_table, warn_openblas, write_json
-
     warn_openblas()
     payload = run_retrieval(settings_from_args(args), progress=True)
-    out = Path(getattr(args, "out", None) or DEFAULTS["out"])
-    write_json(out / "retrieval.json", payload)
-    cols, rows = results_table(payload)
-    print_table(f"Retrieval exact-match accuracy (context {payload['settings']['context']}, "
-                "higher is better)", cols, rows, plain=getattr(args, "plain", False))
-    for r in payload["results"]:
-        if "error" in r:
-            print(f"  {r['label']} ({r['task']}, chunk {r['prefill_chunk']}, C={r['budget']}): {r['error']}")
-    if getattr(args, "markdown", False):
-        print(markdown_table(cols, rows))
-    finish(payload, out / 'retrieval.json', plot_retrieval, args)
-    return payload
+    return report_sweep(payload, args, "retrieval", f"Retrieval exact-match accuracy (context "
+                        f"{payload['settings']['context']}, higher is better)", results_table, plot_retrieval,
+                        lambda r: f"{r['task']}, chunk {r['prefill_chunk']}, C={r['budget']}")

@@ -1,25 +1,11 @@
 """Model-free output perturbation of every registered compression method (synthetic K/V).
 
-The harness generalises the CaM design note's offline benchmark to every method the registry
-knows. One *configuration* is (sequence length ``T``, budget ``C``, method variant):
-
-1. **Data** (seeded, :func:`make_data`). Per (batch, KV head), keys come from ``n_clusters``
-   Gaussian centres plus noise, ``k_t = c_{z_t} + sigma * eps_t`` (``z_t`` uniform), values are
-   ``N(0, I)``. A fraction ``hot_frac`` of positions are *heavy hitters*. The query of token ``i``
-   (one per query head) aims at a key it may attend, ``q_i = g * (k_j + tau * eps)``, with ``j``
-   a heavy hitter ``<= i`` (probability ``p_hot``), one of the last ``recent_window`` tokens
-   (``p_recent``) or any token ``<= i`` (the rest). Attention is therefore peaked on ``j`` and
-   its cluster, as in a trained model, and some tokens matter much more than others.
-2. **Feed** (:func:`feed`). The keys/values enter a cache through ``update_and_fetch``: the first
-   ``T - n_decode`` tokens as prefill chunks of ``prefill_step`` tokens (default 512), then
-   ``n_decode`` single-token decode steps. After every step the step's queries are given to
-   ``cache.observe(queries, scale, mask)`` -- the call the SDPA wrapper makes in a real model --
-   so the real scoring path runs (``score_source == "queries"``).
-3. **Probe** (:func:`perturbation`). ``n_probe`` fresh queries per head, drawn like the queries
-   of a token at position ``T``, attend (a) every key/value (the full cache) and (b) the
-   keys/values the compressed cache returned on its last step. The *output perturbation* is the
-   mean cosine distance ``1 - cos(o_full, o_comp)`` over batch, query heads and probes, with
-   ``o = softmax(q K^T / sqrt(d)) V`` computed in float32 (lower is better; 0 = identical).
+The CaM design note's offline benchmark, generalised to every method the registry knows. One
+*configuration* is (sequence length ``T``, budget ``C``, method variant): a seeded K/V stream
+(:func:`make_data`) is fed through the cache as prefill chunks and decode steps, observing the
+real queries (:func:`feed`), then fresh probe queries measure how far the attention output over
+what the cache kept moves from the full cache's (:func:`perturbation`, lower is better);
+:mod:`kvcompress.bench.synthetic_data` has the details.
 
 Methods come from :func:`kvcompress.get_registry` (so a newly installed plugin's methods appear
 without touching this file); a method whose disposition takes ``merge``/``merge_gate`` (CaM's
@@ -36,17 +22,20 @@ import warnings
 from typing import Any, Callable, Optional
 
 import attrs
-import mlx.core as mx
 import numpy as np
 
-from ._report import machine_info, result_labels
+from ._caches import method_names
+from ._options import add_output_arguments, check_minimums, one_of, options_given, out_dir
+from ._report import caption as _caption
+from ._report import (finish, machine_info, markdown_table, print_table, pyplot, result_labels, save_plot,
+                      warn_openblas, write_json)
+from .synthetic_data import SyntheticData, feed, make_data, perturbation, probe_stats
 
 __all__ = [
     "SyntheticSettings",
     "SyntheticData",
     "make_data",
     "feed",
-    "attention_output",
     "perturbation",
     "method_variants",
     "probe_stats",
@@ -61,11 +50,8 @@ __all__ = [
     "settings_from_args",
 ]
 
+SCENARIOS = ("structured", "iid")
 _MODE_ABBREV = {"sim_weighted": "sw", "mean": "mean", "drop": "drop"}
-
-
-def _tuple(x):
-    return tuple(x) if x is not None else None
 
 
 @attrs.frozen
@@ -77,7 +63,7 @@ class SyntheticSettings:
     merge_modes: tuple = attrs.field(default=("sim_weighted", "mean", "drop"), converter=tuple)
     gates: tuple = attrs.field(default=(True, False), converter=tuple)
     #: method names to run; None = every registered method
-    methods: Optional[tuple] = attrs.field(default=None, converter=_tuple)
+    methods: Optional[tuple] = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     baselines: tuple = attrs.field(default=("full", "rotating"), converter=tuple)
     #: methods swept over ``merge_modes x gates`` (their disposition must take ``merge`` and
     #: ``merge_gate``); every other method runs once with its registered defaults
@@ -90,7 +76,7 @@ class SyntheticSettings:
     )
     #: data generators: "structured" (clusters, heavy hitters, peaked queries) and/or "iid"
     #: (i.i.d. Gaussian keys, values and queries: diffuse attention, the design note's setting)
-    scenarios: tuple = attrs.field(default=("structured", "iid"), converter=tuple)
+    scenarios: tuple = attrs.field(default=SCENARIOS, converter=tuple, validator=one_of(SCENARIOS))
     n_decode: int = 128
     #: prefill chunk size (mlx-lm's chunked prefill); None = the whole prefill as one chunk
     prefill_step: Optional[int] = 512
@@ -108,20 +94,24 @@ class SyntheticSettings:
     query_noise: float = 0.3
     n_probe: int = 64
     n_sink: int = 4
-    dtype: str = "float16"
+    dtype: str = attrs.field(default="float16", validator=one_of(("float16", "bfloat16", "float32")))
     seeds: tuple = attrs.field(default=(0,), converter=tuple)
 
     def __attrs_post_init__(self):
+        check_minimums(self.to_dict(), {
+            "seq_lens": 2, "budgets": 1, "n_decode": 0, "prefill_step": 1, "batch": 1, "n_kv_heads": 1,
+            "n_q_heads": 1, "head_dim": 1, "n_clusters": 1, "recent_window": 1, "n_probe": 1, "n_sink": 0,
+            "seeds": 0})
         if self.n_q_heads % self.n_kv_heads:
-            raise ValueError("n_q_heads must be a multiple of n_kv_heads")
+            raise ValueError(f"n_q_heads must be a multiple of n_kv_heads, got {self.n_q_heads} and {self.n_kv_heads}")
+        for name in ("hot_frac", "p_hot", "p_recent"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {getattr(self, name)}")
         if self.p_hot + self.p_recent > 1:
-            raise ValueError("p_hot + p_recent must be <= 1")
+            raise ValueError(f"p_hot + p_recent must be <= 1, got {self.p_hot} + {self.p_recent}")
         bad = set(self.baselines) - {"full", "rotating"}
         if bad:
             raise ValueError(f"unknown baselines {sorted(bad)}; choose from full, rotating")
-        bad = set(self.scenarios) - {"structured", "iid"}
-        if bad:
-            raise ValueError(f"unknown scenarios {sorted(bad)}; choose from structured, iid")
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -129,150 +119,6 @@ class SyntheticSettings:
 
 #: Tiny sizes for smoke tests and ``--quick`` (a few seconds).
 QUICK = dict(seq_lens=(128, 256), budgets=(32, 64), n_decode=48, n_probe=16, n_clusters=8)
-
-
-@attrs.frozen
-class SyntheticData:
-    """One seeded stream: keys/values and step queries ``[B, H_kv|H_q, T, D]`` in the storage
-    dtype (as a model would pass them), probe queries ``[B, H_q, P, D]`` float32, softmax
-    ``scale`` and the heavy-hitter positions ``hot`` ``[B, H_kv, n_hot]``."""
-
-    keys: mx.array
-    values: mx.array
-    queries: mx.array
-    probes: mx.array
-    scale: float
-    hot: np.ndarray
-
-
-def _targets(rng, pos: np.ndarray, hot: np.ndarray, s: SyntheticSettings) -> np.ndarray:
-    """Target key index for a query at each position in ``pos`` (see module docstring)."""
-    u = rng.random(pos.shape)
-    r = rng.random(pos.shape)
-    n_hot = np.searchsorted(hot, pos, side="right")
-    hot_pick = hot[np.minimum((r * n_hot).astype(np.int64), max(len(hot) - 1, 0))]
-    window = np.minimum(s.recent_window, pos + 1)
-    recent_pick = pos - (r * window).astype(np.int64)
-    any_pick = (r * (pos + 1)).astype(np.int64)
-    use_hot = (u < s.p_hot) & (n_hot > 0)
-    use_recent = ~use_hot & (u < s.p_hot + s.p_recent)
-    return np.where(use_hot, hot_pick, np.where(use_recent, recent_pick, any_pick))
-
-
-def make_data(s: SyntheticSettings, seq_len: int, seed: int, scenario: str = "structured") -> SyntheticData:
-    """Seeded K/V and queries (numpy ``default_rng(seed)``; see module docstring).
-
-    ``scenario="iid"``: keys, values, step queries and probes all i.i.d. ``N(0, I)``.
-    """
-    rng = np.random.default_rng(seed)
-    B, H, Hq, D, T = s.batch, s.n_kv_heads, s.n_q_heads, s.head_dim, seq_len
-    g = Hq // H
-    dt = getattr(mx, s.dtype)
-    if scenario == "iid":
-        keys = rng.standard_normal((B, H, T, D), dtype=np.float32)
-        values = rng.standard_normal((B, H, T, D), dtype=np.float32)
-        queries = rng.standard_normal((B, Hq, T, D), dtype=np.float32)
-        probes = rng.standard_normal((B, Hq, s.n_probe, D), dtype=np.float32)
-        return SyntheticData(
-            keys=mx.array(keys).astype(dt),
-            values=mx.array(values).astype(dt),
-            queries=mx.array(queries).astype(dt),
-            probes=mx.array(probes),
-            scale=D**-0.5,
-            hot=np.zeros((B, H, 0), dtype=np.int64),
-        )
-    centers = rng.standard_normal((B, H, s.n_clusters, D), dtype=np.float32)
-    z = rng.integers(0, s.n_clusters, size=(B, H, T))
-    keys = np.take_along_axis(centers, z[..., None], axis=2)
-    keys = keys + s.key_noise * rng.standard_normal((B, H, T, D), dtype=np.float32)
-    values = rng.standard_normal((B, H, T, D), dtype=np.float32)
-    n_hot = max(1, int(round(s.hot_frac * T)))
-    hot = np.stack(
-        [np.sort(rng.choice(T, size=n_hot, replace=False)) for _ in range(B * H)]
-    ).reshape(B, H, n_hot)
-
-    def draw(positions: np.ndarray) -> np.ndarray:
-        out = np.empty((B, Hq, len(positions), D), dtype=np.float32)
-        for b in range(B):
-            for hq in range(Hq):
-                h = hq // g
-                tgt = _targets(rng, positions, hot[b, h], s)
-                noise = s.query_noise * rng.standard_normal((len(positions), D), dtype=np.float32)
-                out[b, hq] = s.query_gain * (keys[b, h, tgt] + noise)
-        return out
-
-    queries = draw(np.arange(T))
-    probes = draw(np.full(s.n_probe, T - 1))
-    return SyntheticData(
-        keys=mx.array(keys).astype(dt),
-        values=mx.array(values).astype(dt),
-        queries=mx.array(queries).astype(dt),
-        probes=mx.array(probes),
-        scale=D**-0.5,
-        hot=hot,
-    )
-
-
-def _state_arrays(cache) -> list:
-    return [x for x in cache.state if isinstance(x, mx.array)]
-
-
-def feed(cache, data: SyntheticData, n_decode: int, prefill_step: Optional[int] = None,
-         observe: bool = True):
-    """Run ``data`` through ``cache`` (prefill chunk(s), then decode steps); return the K/V the
-    last step attended. ``observe`` calls ``cache.observe`` after every step (compressed caches)."""
-    T = data.keys.shape[2]
-    n_dec = min(n_decode, T - 1)
-    P = T - n_dec
-    step = prefill_step or P
-    k = v = None
-
-    def one(s: int, e: int):
-        nonlocal k, v
-        k, v = cache.update_and_fetch(data.keys[..., s:e, :], data.values[..., s:e, :])
-        if observe:
-            cache.observe(data.queries[..., s:e, :], data.scale, "causal" if e - s > 1 else None)
-        mx.eval(k, v, _state_arrays(cache))
-
-    for s in range(0, P, step):
-        one(s, min(s + step, P))
-    for t in range(P, T):
-        one(t, t + 1)
-    return k, v
-
-
-def attention_output(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """``softmax(q K^T * scale) V`` in float32 with GQA: q ``[B,Hq,P,D]``, k/v ``[B,H,T,D]``."""
-    B, Hq, P, D = q.shape
-    H = k.shape[1]
-    qg = q.astype(mx.float32).reshape(B, H, Hq // H, P, D)
-    kf = mx.expand_dims(k.astype(mx.float32), 2)
-    vf = mx.expand_dims(v.astype(mx.float32), 2)
-    w = mx.softmax((qg * scale) @ kf.swapaxes(-1, -2), axis=-1)
-    return (w @ vf).reshape(B, Hq, P, v.shape[-1])
-
-
-def perturbation(probes, full_kv, comp_kv, scale: float) -> float:
-    """Mean cosine distance ``1 - cos(o_full, o_comp)`` over batch, query heads and probes."""
-    a = attention_output(probes, *full_kv, scale)
-    b = attention_output(probes, *comp_kv, scale)
-    cos = (a * b).sum(-1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1) + 1e-12)
-    # 1 - cos >= 0; clamp float rounding (identical outputs give ~ -1e-8)
-    return max(0.0, float(mx.mean(1.0 - cos).item()))
-
-
-def probe_stats(data: SyntheticData) -> dict:
-    """How peaked full-cache probe attention is: mean top-1 weight and effective support
-    ``1 / sum_j p_j^2`` (tokens), averaged over heads and probes."""
-    B, Hq, P, D = data.probes.shape
-    H = data.keys.shape[1]
-    qg = data.probes.reshape(B, H, Hq // H, P, D)
-    k = mx.expand_dims(data.keys.astype(mx.float32), 2)
-    w = mx.softmax((qg * data.scale) @ k.swapaxes(-1, -2), axis=-1)
-    return {
-        "top1_weight": float(w.max(-1).mean().item()),
-        "effective_support": float((1.0 / (w * w).sum(-1)).mean().item()),
-    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,7 +146,7 @@ def method_variants(s: SyntheticSettings, registry=None) -> list[tuple[str, dict
     from kvcompress import get_registry
 
     reg = registry or get_registry()
-    names = list(s.methods) if s.methods is not None else sorted(reg.methods)
+    names = [] if s.methods == () else method_names(s.methods, reg)
     out = []
     for name in names:
         spec = reg.method(name)
@@ -317,21 +163,36 @@ def method_variants(s: SyntheticSettings, registry=None) -> list[tuple[str, dict
     return out
 
 
-def _build_cache(name: str, params: dict, budget: int, s: SyntheticSettings, seed: int, registry):
-    from kvcompress import CompressedKVCache, ModelInfo, build_method
-
-    method = build_method(name, registry=registry, budget=budget, seed=seed, **params)
-    info = ModelInfo(n_layers=1, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim)
-    layer_budget = int(method.budget.layer_budgets(info)[0])
-    return CompressedKVCache(method, layer_budget, layer=0)
-
-
-def _baseline_cache(name: str, budget: int, s: SyntheticSettings):
+def _layer_cache(kind: str, name: str, params: dict, budget: int, s: SyntheticSettings, seed: int, registry):
+    """One layer's cache: mlx-lm's ``KVCache`` / ``RotatingKVCache`` for a baseline, else the
+    method at the first layer budget its budget policy gives a one-layer model."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    if name == "full":
-        return KVCache()
-    return RotatingKVCache(max_size=budget, keep=s.n_sink)
+    from kvcompress import CompressedKVCache, ModelInfo, build_method
+
+    if kind == "baseline":
+        return KVCache() if name == "full" else RotatingKVCache(max_size=budget, keep=s.n_sink)
+    method = build_method(name, registry=registry, budget=budget, seed=seed, **params)
+    info = ModelInfo(n_layers=1, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim)
+    return CompressedKVCache(method, int(method.budget.layer_budgets(info)[0]), layer=0)
+
+
+def _measure(rec: dict, datas: list, s: SyntheticSettings, registry) -> None:
+    """Fill ``rec`` (a baseline or method variant at one budget) with the perturbation over the
+    seeds' streams ``datas`` and the last cache's diagnostics."""
+    kind, t0, per_seed = rec["kind"], time.perf_counter(), []
+    for seed, data in zip(s.seeds, datas):
+        cache = _layer_cache(kind, rec["method"], rec["params"], rec["budget"], s, seed, registry)
+        kv = feed(cache, data, s.n_decode, s.prefill_step, observe=kind == "method")
+        per_seed.append(perturbation(data.probes, (data.keys, data.values), kv, data.scale))
+    rec.update(perturbation=float(np.mean(per_seed)), perturbation_by_seed=per_seed,
+               seconds=time.perf_counter() - t0)
+    if kind == "method":
+        d = cache.diagnostics
+        rec.update(cache_budget=cache.budget, tokens_kept=d["tokens_kept"], evictions=d["evictions"],
+                   merges=d["merges"], score_source=d["score_source"])
+    else:
+        rec["tokens_kept"] = int(kv[0].shape[2])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,56 +226,21 @@ def run_synthetic(
     for scenario, seq_len in grid:
         datas = [make_data(s, seq_len, seed, scenario) for seed in s.seeds]
         data_stats[f"{scenario}/{seq_len}"] = [probe_stats(d) for d in datas]
-        full_kv = [(d.keys, d.values) for d in datas]
         for budget in s.budgets:
-            entries = [("baseline", b, {}) for b in s.baselines] + [
-                ("method", n, p) for n, p in variants
-            ]
-            for kind, name, params in entries:
+            for kind, name, params in [("baseline", b, {}) for b in s.baselines] + [
+                    ("method", n, p) for n, p in variants]:
                 rec: dict[str, Any] = {
-                    "scenario": scenario,
-                    "seq_len": seq_len,
-                    "budget": budget,
-                    "kind": kind,
-                    "method": name,
-                    "label": _label(name, params) if kind == "method" else name,
-                    "params": params,
+                    "scenario": scenario, "seq_len": seq_len, "budget": budget, "kind": kind, "method": name,
+                    "label": _label(name, params) if kind == "method" else name, "params": params,
                 }
-                t0 = time.perf_counter()
-                per_seed, last = [], None
                 try:
-                    for seed, data, fkv in zip(s.seeds, datas, full_kv):
-                        if kind == "baseline":
-                            cache = _baseline_cache(name, budget, s)
-                        else:
-                            cache = _build_cache(name, params, budget, s, seed, reg)
-                        kv = feed(cache, data, s.n_decode, s.prefill_step, observe=kind == "method")
-                        per_seed.append(perturbation(data.probes, fkv, kv, data.scale))
-                        last = cache
+                    _measure(rec, datas, s, reg)
                 except Exception as exc:  # a method that cannot run here is reported, not fatal
                     rec["error"] = f"{type(exc).__name__}: {exc}"
                     if (rec["label"], rec["error"]) not in warned:
                         warned.add((rec["label"], rec["error"]))
-                        warnings.warn(
-                            f"synthetic: {rec['label']} ({scenario}, T={seq_len}, C={budget}): {exc}",
-                            RuntimeWarning, stacklevel=2,
-                        )
-                    results.append(rec)
-                    continue
-                rec["perturbation"] = float(np.mean(per_seed))
-                rec["perturbation_by_seed"] = per_seed
-                rec["seconds"] = time.perf_counter() - t0
-                if kind == "method":
-                    d = last.diagnostics
-                    rec.update(
-                        cache_budget=last.budget,
-                        tokens_kept=d["tokens_kept"],
-                        evictions=d["evictions"],
-                        merges=d["merges"],
-                        score_source=d["score_source"],
-                    )
-                else:
-                    rec["tokens_kept"] = int(kv[0].shape[2])
+                        warnings.warn(f"synthetic: {rec['label']} ({scenario}, T={seq_len}, C={budget}): {exc}",
+                                      RuntimeWarning, stacklevel=2)
                 results.append(rec)
             if progress:
                 progress(f"{scenario} T={seq_len} C={budget} done ({time.perf_counter() - t_start:.1f}s)")
@@ -450,29 +276,15 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
 
 
 def caption(payload: dict) -> str:
-    from ._report import machine_summary, settings_summary
-
-    s = payload["settings"]
     keys = ("batch", "n_kv_heads", "n_q_heads", "head_dim", "dtype", "n_decode", "n_probe",
             "n_clusters", "hot_frac", "p_hot", "p_recent", "seeds", "scenarios")
-    return (
-        "Output perturbation = mean cosine distance between full-cache and compressed-cache "
-        "attention outputs over probe queries (lower is better). Settings: "
-        + settings_summary(s, keys)
-        + ". Machine: "
-        + machine_summary(payload["machine"])
-    )
+    return _caption(payload, keys, lead="Output perturbation = mean cosine distance between full-cache and "
+                    "compressed-cache attention outputs over probe queries (lower is better). ")
 
 
 def plot_synthetic(payload: dict, path) -> Any:
     """One panel per (scenario, sequence length): perturbation vs budget, one line per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ._report import save_figure
-
+    plt = pyplot()
     st = payload["settings"]
     seq_lens, scenarios, budgets = st["seq_lens"], st["scenarios"], st["budgets"]
     labels = [lbl for lbl in result_labels(payload) if lbl != "full"]
@@ -515,17 +327,12 @@ def plot_synthetic(payload: dict, path) -> Any:
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle("Synthetic output perturbation, lower is better (sw = sim_weighted; +g/-g = merge gate on/off)",
                  fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path, caption(payload))
-    plt.close(fig)
-    return path
+    return save_plot(fig, path, caption(payload))
 
 
 def markdown_tables(payload: dict) -> str:
     """Per scenario, a markdown table: one row per method variant, one column per (T, C);
     the lowest perturbation of each column in bold, ``n/a`` where the method could not run."""
-    from ._report import markdown_table
-
     out = []
     labels = result_labels(payload)
     for scenario in payload["settings"]["scenarios"]:
@@ -571,33 +378,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="K/V storage dtype")
-    from ._report import add_output_arguments
-
     add_output_arguments(parser, "synthetic.json/.png")
 
 
 def settings_from_args(args) -> SyntheticSettings:
-    kw = dict(QUICK) if getattr(args, "quick", False) else {}
-    for name in ("seq_lens", "budgets", "methods", "scenarios", "n_decode", "prefill_step", "seeds",
-                 "batch", "dtype"):
-        v = getattr(args, name, None)
-        if v is not None:
-            kw[name] = v
-    return SyntheticSettings(**kw)
+    return SyntheticSettings(**options_given(args, ("seq_lens", "budgets", "methods", "scenarios", "n_decode",
+                                                    "prefill_step", "seeds", "batch", "dtype"), QUICK))
 
 
 def run(args) -> dict:
     """Run the sweep from parsed arguments; write ``<out>/synthetic.json`` (+ .png); print tables."""
     import sys
-    from pathlib import Path
-
-    from ._report import finish, print_table, warn_openblas, write_json
 
     settings = settings_from_args(args)
     warn_openblas()
     payload = run_synthetic(settings, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    out = Path(getattr(args, "out", "docs/results"))
-    write_json(out / "synthetic.json", payload)
+    json_path = write_json(out_dir(args) / "synthetic.json", payload)
     cols, rows = results_table(payload)
     print_table("Output perturbation (1 - cos, lower is better)", cols, rows,
                 plain=getattr(args, "plain", False))
@@ -611,5 +407,5 @@ def run(args) -> dict:
         print(f"skipped {label} in {len(where)} configuration(s) ({', '.join(where[:3])}{more}): {err}")
     if getattr(args, "markdown", False):
         print(markdown_tables(payload))
-    finish(payload, out / 'synthetic.json', plot_synthetic, args)
+    finish(payload, json_path, plot_synthetic, args)
     return payload

@@ -1,0 +1,402 @@
+"""Where the decode and prefill time of compressed caches goes (the speed workload's profile).
+
+:func:`profile_decode` measures, against ``rotating`` (all timings interleaved across variants):
+
+(a) the per-step decode time of the model with eviction and/or scoring switched off
+    (``no_evict``: the layer budgets are raised after prefill, so nothing is evicted and tokens
+    are appended instead; ``no_score``: the scorer is replaced by one that leaves scores
+    unchanged);
+(b) a per-layer micro-benchmark of one decode step and of one prefill chunk of one cache
+    (update + the model's SDPA + observe), and of each component call alone;
+(c) the number of MLX primitives one decode step of the cache adds to a layer, counted on the
+    lazy graph with ``mx.export_to_dot`` (:func:`count_ops`).
+
+:func:`profile_table` and :func:`profile_markdown` present it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from ._caches import make_cache
+from ._harness import interleave, median, prefill, release, sync_stepper
+from ._model import build_model, random_tokens
+
+__all__ = ["profile_decode", "count_ops", "profile_table", "profile_markdown"]
+
+
+@attrs.frozen
+class _KeepScores:
+    """A scorer that leaves the scores unchanged (profiling: 'scoring disabled')."""
+
+    requires = frozenset()
+    provides = frozenset({"attention_mass"})
+
+    def observe(self, scores, obs):
+        return scores
+
+
+def _split(variant: str) -> tuple[str, set]:
+    """``"cam[no_evict,no_score]"`` -> ``("cam", {"no_evict", "no_score"})``."""
+    name, _, flags = variant.partition("[")
+    return name, set(flags.rstrip("]").split(",")) - {""}
+
+
+def _switch_off(c, flags) -> None:
+    """Apply a variant's flags to one layer's cache (after its prefill)."""
+    if "no_evict" in flags:
+        c.budget = 10**9
+    if "no_score" in flags:
+        c.method = attrs.evolve(c.method, scorer=_KeepScores())
+
+
+def _model_profile(model, variants: list, s) -> dict:
+    """Synchronous decode step time per variant after a ``2 * budget`` chunked prefill, the
+    variants' steps interleaved in blocks of 4 (median over blocks)."""
+    steppers = {}
+    prompt = random_tokens(s, 2 * s.budget)
+    for var in variants:
+        name, flags = _split(var)
+        cache = make_cache(model, name, s.budget, keep=s.keep)
+        prefill(model, cache, prompt, 0, prompt.shape[0], s.prefill_step_size)
+        for c in cache:
+            _switch_off(c, flags)
+        steppers[var] = sync_stepper(model, cache, prompt[None, -1:])
+        steppers[var]()  # one untimed step
+    k = 4
+    times = interleave(steppers, max(1, s.profile_steps // k), k)
+    del steppers
+    release()
+    return {v: {"step_ms_median": 1e3 * median(ts), "step_ms_min": 1e3 * min(ts)}
+            for v, ts in times.items()}
+
+
+def count_ops(*arrays: mx.array) -> dict:
+    """Primitives in the unevaluated graph behind ``arrays`` (``mx.export_to_dot``)."""
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *arrays)
+        text = open(path).read()
+    finally:
+        os.unlink(path)
+    names = re.findall(r'label ="([^"]+)", shape=rectangle', text)
+    hist: dict[str, int] = {}
+    for n in names:
+        hist[n] = hist.get(n, 0) + 1
+    return {"n_ops": len(names), "by_op": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
+def _layer_inputs(s, n: int, key: int):
+    dt = getattr(mx, s.dtype)
+    k = mx.random.normal((1, s.n_kv_heads, n, s.head_dim), key=mx.random.key(key)).astype(dt)
+    v = mx.random.normal((1, s.n_kv_heads, n, s.head_dim), key=mx.random.key(key + 1)).astype(dt)
+    q = mx.random.normal((1, s.n_heads, n, s.head_dim), key=mx.random.key(key + 2)).astype(dt)
+    mx.eval(k, v, q)
+    return k, v, q
+
+
+def _cache_arrays(c) -> list:
+    """The arrays a cache step produces (private fields of CompressedKVCache, for counting)."""
+    names = ("keys", "values", "_pos", "_score", "_merges")
+    return [getattr(c, n) for n in names if isinstance(getattr(c, n, None), mx.array)]
+
+
+def _filled_layer_cache(kind: str, s, flags=()):
+    """One layer's cache after a prefill of 2 * budget synthetic tokens (observed)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from kvcompress import CompressedKVCache, build_method
+
+    if kind == "rotating":
+        c = RotatingKVCache(max_size=s.budget, keep=s.keep)
+    else:
+        c = CompressedKVCache(build_method(kind, budget=s.budget), s.budget, layer=0)
+    k, v, q = _layer_inputs(s, 2 * s.budget, 10)
+    for i in range(0, 2 * s.budget, s.budget):
+        kk, vv = c.update_and_fetch(k[..., i: i + s.budget, :], v[..., i: i + s.budget, :])
+        if kind != "rotating":
+            c.observe(q[..., i: i + s.budget, :], s.head_dim**-0.5, "causal")
+        mx.eval(kk, vv, _cache_arrays(c))
+    # one decode step so the cache is in its steady decode state
+    k1, v1, q1 = _layer_inputs(s, 1, 20)
+    kk, vv = c.update_and_fetch(k1, v1)
+    if kind != "rotating":
+        c.observe(q1, s.head_dim**-0.5, None)
+    mx.eval(kk, vv, _cache_arrays(c))
+    _switch_off(c, flags)
+    return c
+
+
+def _model_sdpa():
+    """mlx-lm's ``scaled_dot_product_attention`` behind kvcompress's wrapper: the exact call a
+    model makes (attention through the cache, then ``observe``; a pass-through for others)."""
+    from mlx_lm.models import base
+
+    from kvcompress import attention
+
+    fn = base.scaled_dot_product_attention
+    return fn if hasattr(fn, attention._MARK) else attention._wrap(fn)
+
+
+def _layer_steppers(variants: list, s, chunk: int) -> dict:
+    """Per variant, a callable running one step of ``chunk`` tokens on one layer's cache:
+    ``update_and_fetch`` + the model's (wrapped) SDPA, which observes for compressed caches."""
+    scale = s.head_dim**-0.5
+    sdpa = _model_sdpa()
+    steppers = {}
+    for var in variants:
+        name, flags = _split(var)
+        c = _filled_layer_cache(name, s, flags)
+        inputs = [_layer_inputs(s, chunk, 100 + 3 * i) for i in range(4)]
+        counter = {"i": 0}
+
+        def step(c=c, name=name, inputs=inputs, counter=counter):
+            k, v, q = inputs[counter["i"] % len(inputs)]
+            counter["i"] += 1
+            if chunk == 1:
+                mask = None
+            elif name == "rotating":
+                mask = c.make_mask(chunk, window_size=None, return_array=False)
+            else:
+                mask = c.make_mask(chunk, return_array=False)
+            kk, vv = c.update_and_fetch(k, v)
+            out = sdpa(q, kk, vv, cache=c, scale=scale, mask=mask)
+            mx.eval(out, _cache_arrays(c))
+
+        step()  # untimed
+        steppers[var] = step
+    return steppers
+
+
+def _layer_step_ms(variants: list, s, n: int, chunk: int = 1) -> dict:
+    """Median ms of one step of one layer per variant (interleaved blocks of 4 steps)."""
+    k = 4 if chunk == 1 else 1
+    times = interleave(_layer_steppers(variants, s, chunk), max(1, n // k), k)
+    return {v: {"ms": 1e3 * median(ts)} for v, ts in times.items()}
+
+
+def _component_ms(kind: str, s, n: int) -> dict:
+    """Median ms of each component call alone on a full decode-state cache of one layer."""
+    from kvcompress import Eviction, Observation, Selection
+
+    c = _filled_layer_cache(kind, s)
+    m = c.method
+    k, v = c.keys_and_values()
+    pos, score = c._pos, c._score
+    _, _, q1 = _layer_inputs(s, 1, 7)
+    scale = s.head_dim**-0.5
+
+    def timed(fn):
+        mx.eval(fn())
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * median(ts)
+
+    def score_fn():
+        obs = Observation(q1, k, pos, 1, scale, None, 0, c.offset)
+        return m.scorer.observe(score, obs)
+
+    def select_fn():
+        return m.selector.select(Selection(score, pos, 1, c.budget, c.offset, 0))
+
+    evict = select_fn().astype(mx.int32)
+    mx.eval(evict)
+    protected = m.selector.protected(pos, c.offset, c.budget)
+
+    def dispose_fn():
+        return m.disposition.dispose(Eviction(k, v, score, pos, evict, protected, 0, 1))
+
+    def write_fn():  # the slot write of the incoming token (4 put_along_axis)
+        b, h = k.shape[:2]
+        idx = mx.broadcast_to(evict[..., None], (b, h, 1, k.shape[-1]))
+        return [
+            mx.put_along_axis(k, idx, k[..., :1, :], axis=2),
+            mx.put_along_axis(v, idx, v[..., :1, :], axis=2),
+            mx.put_along_axis(pos, evict, pos[..., :1], axis=2),
+            mx.put_along_axis(score, evict, mx.zeros(evict.shape, mx.float32), axis=2),
+        ]
+
+    return {
+        "scorer.observe": timed(score_fn),
+        "selector.select": timed(select_fn),
+        "disposition.dispose": timed(dispose_fn),
+        "slot_write": timed(write_fn),
+        "sdpa (reference)": timed(lambda: mx.fast.scaled_dot_product_attention(q1, k, v, scale=scale, mask=None)),
+    }
+
+
+def _prefill_component_ms(s, n: int = 5) -> dict:
+    """One prefill chunk on one layer (queries = chunk, keys = budget - 1 + chunk): the model's
+    SDPA, the scorer's ``attention_mass`` (the same softmax again, in float32), the fused
+    ``attention_with_mass`` when the core has it, and a bare ``exp`` over the logits' shape (the
+    cost all of them are dominated by on CPU)."""
+    from kvcompress._attention_math import attention_mass
+
+    S, T = s.prefill_step_size, s.budget - 1 + s.prefill_step_size
+    k, v, _ = _layer_inputs(s, T, 70)
+    _, _, q = _layer_inputs(s, S, 80)
+    scale = s.head_dim**-0.5
+    logits = mx.random.normal((1, s.n_heads, S, T), key=mx.random.key(90))
+    mx.eval(logits)
+    fns = {
+        "sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+        "attention_mass": lambda: attention_mass(q, k, scale, "causal"),
+        "exp over [H_q, S, T]": lambda: mx.exp(logits),
+    }
+    try:  # the fused prefill path: output and mass from one softmax
+        from kvcompress._attention_math import attention_with_mass
+
+        fns["attention_with_mass (fused)"] = lambda: attention_with_mass(q, k, v, scale, "causal")
+    except ImportError:
+        pass
+    for fn in fns.values():
+        mx.eval(fn())  # untimed
+    times = interleave({k_: (lambda f=f: mx.eval(f())) for k_, f in fns.items()}, n, 1)
+    out: dict[str, Any] = {name: 1e3 * median(ts) for name, ts in times.items()}
+    out["shape"] = f"H_q={s.n_heads}, S={S}, T={T}"
+    return out
+
+
+def _op_counts(kind: str, s, model) -> dict:
+    """MLX primitives of one decode step: cache update, observe, and a whole decoder layer."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    scale = s.head_dim**-0.5
+    c = _filled_layer_cache(kind, s)
+    k1, v1, q1 = _layer_inputs(s, 1, 30)
+    kk, vv = c.update_and_fetch(k1, v1)
+    upd = count_ops(kk, vv, *_cache_arrays(c))
+    mx.eval(kk, vv, _cache_arrays(c))
+    res = {"update_and_fetch": upd["n_ops"], "update_by_op": upd["by_op"]}
+    if kind != "rotating":
+        c.observe(q1, scale, None)
+        obs = count_ops(*_cache_arrays(c))
+        res["observe"] = obs["n_ops"]
+        res["observe_by_op"] = obs["by_op"]
+        mx.eval(_cache_arrays(c))
+    # a whole decoder layer (attention + MLP) with this cache, for scale
+    layer = model.layers[0]
+    c2 = _filled_layer_cache(kind, s) if kind != "rotating" else RotatingKVCache(s.budget, s.keep)
+    if kind == "rotating":
+        kf, vf, _ = _layer_inputs(s, s.budget + 8, 40)
+        mx.eval(c2.update_and_fetch(kf, vf))
+        k2, v2, _ = _layer_inputs(s, 1, 50)
+        mx.eval(c2.update_and_fetch(k2, v2))
+    x = mx.random.normal((1, 1, s.hidden), key=mx.random.key(60)).astype(getattr(mx, s.dtype))
+    mx.eval(x)
+    h = layer(x, mask=None, cache=c2)
+    res["decoder_layer_total"] = count_ops(h, *_cache_arrays(c2))["n_ops"]
+    mx.eval(h, _cache_arrays(c2))
+    return res
+
+
+def profile_decode(s=None, model=None) -> dict:
+    """Where decode time goes for each method of the speed settings ``s`` (default:
+    :class:`~kvcompress.bench.speed.SpeedSettings`) vs ``rotating`` (see module docstring)."""
+    from kvcompress import install
+
+    if s is None:
+        from .speed import SpeedSettings
+
+        s = SpeedSettings()
+    if model is None:
+        model = build_model(s)
+        install(model)
+    n = s.profile_steps
+    variants = ["rotating"]
+    for m in s.methods:
+        variants += [m, f"{m}[no_evict]", f"{m}[no_evict,no_score]"]
+    model_level = _model_profile(model, variants, s)
+    layer_level = _layer_step_ms(variants, s, max(n, 40))
+    # prefill: one chunk of prefill_step_size tokens on one layer (cache in eviction steady state)
+    pre_vars = ["rotating", *[v for m in s.methods for v in (m, f"{m}[no_score]")]]
+    layer_prefill = _layer_step_ms(pre_vars, s, 6, chunk=s.prefill_step_size)
+    components, ops = {}, {}
+    for m in ["rotating", *s.methods]:
+        ops[m] = _op_counts(m, s, model)
+        if m != "rotating":
+            components[m] = _component_ms(m, s, max(n, 20))
+    prefill_parts = _prefill_component_ms(s)
+    # the cache's extra time per layer (1-layer micro-benchmark) times the layer count, against
+    # the rotating model's decode step: the decode ratio the cache overhead alone predicts
+    base_layer = layer_level["rotating"]["ms"]
+    base_step = model_level["rotating"]["step_ms_median"]
+    predicted = {}
+    for m in s.methods:
+        extra = s.n_layers * (layer_level[m]["ms"] - base_layer)
+        predicted[m] = {"extra_ms_per_token": extra, "decode_ratio": base_step / (base_step + extra)}
+    return {
+        "context": 2 * s.budget,
+        "predicted_from_layer_overhead": predicted,
+        "model_step_ms": model_level,
+        "layer_step_ms": layer_level,
+        "layer_prefill_chunk_ms": layer_prefill,
+        "prefill_component_ms": prefill_parts,
+        "component_ms": components,
+        "ops_per_layer_step": ops,
+    }
+
+
+def profile_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
+    """One row per profile variant: model decode step, its excess over rotating, the 1-layer
+    step and the MLX ops per layer step."""
+    prof = payload["profile"]
+    cols = ["variant", "model decode step ms", "vs rotating ms", "1-layer step ms", "ops/layer (update+observe)"]
+    base = prof["model_step_ms"]["rotating"]["step_ms_median"]
+    rows = []
+    for var, r in prof["model_step_ms"].items():
+        name = var.partition("[")[0]
+        o = prof["ops_per_layer_step"].get(name, {})
+        ops = o.get("update_and_fetch", 0) + o.get("observe", 0) if "[" not in var else None
+        rows.append([var, r["step_ms_median"], r["step_ms_median"] - base,
+                     prof["layer_step_ms"][var]["ms"], ops])
+    return cols, rows
+
+
+def profile_markdown(payload: dict) -> list[str]:
+    """Markdown tables of a speed payload's profile (one string per table)."""
+    from ._report import markdown_table
+
+    parts = []
+    prof = payload["profile"]
+    cols, rows = profile_table(payload)
+    parts.append(f"Decode profile, context {prof['context']} (model: whole decode step; "
+                 "1-layer: update + SDPA + observe of one layer's cache):\n\n" + markdown_table(cols, rows))
+    lp = prof.get("layer_prefill_chunk_ms", {})
+    if lp:
+        base = lp.get("rotating", {}).get("ms")
+        parts.append(f"One prefill chunk ({payload['settings']['prefill_step_size']} tokens) on one layer, "
+                     "cache in eviction steady state (update + SDPA + observe):\n\n" + markdown_table(
+                         ["variant", "ms", "/ rotating"],
+                         [[v, r["ms"], r["ms"] / base if base else None] for v, r in lp.items()]))
+    pc = prof.get("prefill_component_ms", {})
+    if pc:
+        parts.append(f"Prefill chunk pieces, one layer ({pc.get('shape', '')}), ms:\n\n" + markdown_table(
+            ["piece", "ms"], [[k, v] for k, v in pc.items() if k != "shape"]))
+    comp = prof["component_ms"]
+    names = sorted({k for v in comp.values() for k in v})
+    parts.append("Component calls alone, one layer, ms (median):\n\n" + markdown_table(
+        ["method", *names], [[m, *[v.get(n) for n in names]] for m, v in comp.items()]))
+    pred = prof.get("predicted_from_layer_overhead", {})
+    if pred:
+        parts.append("Decode ratio predicted from the 1-layer overhead (n_layers x extra ms per layer "
+                     "vs the rotating model step):\n\n" + markdown_table(
+                         ["method", "extra ms / token", "predicted decode ratio"],
+                         [[m, v["extra_ms_per_token"], v["decode_ratio"]] for m, v in pred.items()]))
+    ops = prof["ops_per_layer_step"]
+    rows = [[m, o.get("update_and_fetch"), o.get("observe", 0), o.get("decoder_layer_total")]
+            for m, o in ops.items()]
+    parts.append("MLX primitives per layer per decode step:\n\n" + markdown_table(
+        ["cache", "update_and_fetch", "observe", "whole decoder layer"], rows))
+    return parts
