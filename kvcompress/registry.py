@@ -9,6 +9,7 @@ names both providers.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import os
 import threading
@@ -194,9 +195,7 @@ class Registry:
             raise ConfigError(f"unknown component kind {kind!r}; valid kinds: {', '.join(KINDS)}")
         table = self.components[kind]
         if name not in table:
-            raise ConfigError(
-                f"unknown {kind} {name!r}; registered {kind}s: {', '.join(sorted(table)) or '(none)'}"
-            )
+            raise ConfigError(self._unknown(kind, name, table))
         return table[name].spec
 
     def method(self, name: str) -> MethodSpec:
@@ -204,11 +203,14 @@ class Registry:
         from .errors import ConfigError
 
         if name not in self.methods:
-            raise ConfigError(
-                f"unknown method {name!r}; registered methods: "
-                f"{', '.join(sorted(self.methods)) or '(none)'}"
-            )
+            raise ConfigError(self._unknown(None, name, self.methods))
         return self.methods[name].spec
+
+    def _unknown(self, kind: Optional[str], name: str, table: dict) -> str:
+        what = kind or "method"
+        close = difflib.get_close_matches(str(name), sorted(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        return f"unknown {what} {name!r}{hint} registered {what}s: {', '.join(sorted(table)) or '(none)'}"
 
     def provider(self, kind: Optional[str], name: str) -> Provided:
         return self.methods[name] if kind is None else self.components[kind][name]

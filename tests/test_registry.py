@@ -186,6 +186,20 @@ def test_disable_env_blocks_plugins_by_name(monkeypatch):
     assert "h2o" in listed and "cam" not in listed
 
 
+@pytest.mark.parametrize(
+    "kind, typo, meant",
+    [(None, "snapvk", "snapkv"), ("scorer", "h2", "h2o"), ("disposition", "gated-merge", "gated_merge")],
+)
+def test_a_misspelt_name_gets_a_did_you_mean(kind, typo, meant):
+    reg = kvcompress.get_registry()
+    with pytest.raises(kvcompress.ConfigError) as info:
+        reg.method(typo) if kind is None else reg.component(kind, typo)
+    what = kind or "method"
+    assert str(info.value).startswith(f"unknown {what} {typo!r}; did you mean {meant!r}? registered {what}s: ")
+    with pytest.raises(kvcompress.ConfigError, match=r"^unknown method 'zzzz'; registered methods: "):
+        reg.method("zzzz")
+
+
 # ------------------------------------------------------------------------------------------
 # Conflicts and ill-formed plugins
 # ------------------------------------------------------------------------------------------
