@@ -90,15 +90,21 @@ def cmd_methods(args) -> int:
     if args.markdown:
         print(methods_table(reg))
         return 0
+    why = {name: reg.unavailable(name) for name in reg.methods}
     if args.json:
         print(json.dumps({n: {"scorer": p.spec.scorer, "selector": p.spec.selector,
                               "disposition": p.spec.disposition, "budget": p.spec.budget,
                               "params": p.spec.params, "summary": p.spec.summary,
-                              "plugin": p.plugin} for n, p in sorted(reg.methods.items())}, indent=2))
+                              "plugin": p.plugin, "available": why[n] is None,
+                              **({"why": why[n]} if why[n] else {})}
+                          for n, p in sorted(reg.methods.items())}, indent=2))
         return 0
     for name, prov in sorted(reg.methods.items()):
         s = prov.spec
-        print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+        if why[name]:
+            print(f"{name:<16} [unavailable: {why[name]}]")
+        else:
+            print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
     return 0
 
 

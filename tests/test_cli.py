@@ -1,0 +1,53 @@
+"""The command line without a model: method listings, config validation, doctor, bench help.
+
+Bad input is one ``kvcompress...: error: ...`` line (or ``FILE: invalid: ...``) and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvcompress
+from kvcompress.cli import main
+from kvcompress.registry import reset_registry
+
+
+@pytest.fixture
+def disabled(monkeypatch):
+    """Run with ``KVCOMPRESS_DISABLE_PLUGINS`` set to the given names (a fresh registry)."""
+
+    def set_(names: str):
+        monkeypatch.setenv("KVCOMPRESS_DISABLE_PLUGINS", names)
+        reset_registry()
+
+    yield set_
+    monkeypatch.delenv("KVCOMPRESS_DISABLE_PLUGINS")
+    reset_registry()
+
+
+def _one_error_line(err: str, prefix: str = "kvcompress") -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(prefix) and ": error: " in lines[0], err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress methods
+# ------------------------------------------------------------------------------------------
+
+
+def test_methods_marks_a_method_whose_component_plugin_is_disabled(disabled, capsys):
+    disabled("streaming_llm")
+    assert main(["methods"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    why = "scorer 'recency' comes from plugin 'streaming_llm', which is disabled"
+    assert lines["kivi"].split(None, 1)[1] == f"[unavailable: {why}]"
+    assert "unavailable" not in lines["h2o"] and "streaming_llm" not in lines
+    assert main(["methods", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kivi"]["available"] is False and data["kivi"]["why"] == why
+    assert data["h2o"]["available"] is True and "why" not in data["h2o"]
+
