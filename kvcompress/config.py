@@ -106,14 +106,18 @@ def load_config(source: Union[str, Path, dict]) -> MethodConfig:
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}); is it a binary file?"
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {exc}") from exc
     return MethodConfig.from_dict(data)

@@ -51,3 +51,17 @@ def test_methods_marks_a_method_whose_component_plugin_is_disabled(disabled, cap
     assert data["kivi"]["available"] is False and data["kivi"]["why"] == why
     assert data["h2o"]["available"] is True and "why" not in data["h2o"]
 
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress config validate
+# ------------------------------------------------------------------------------------------
+
+
+def test_validate_a_binary_file_is_one_line(tmp_path, capsys):
+    path = tmp_path / "cam.toml"
+    path.write_bytes(b"\xff\xfe\x00\x01binary")
+    assert main(["config", "validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{path}: invalid: config file ") and "not UTF-8 text" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
