@@ -65,3 +65,38 @@ def test_validate_a_binary_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{path}: invalid: config file ") and "not UTF-8 text" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('method = "h2o"\n[params]\nbudget = 4\nn_sink = 4\n',
+         "budget 'uniform' for a 1-layer model: layer 0 gets 4 tokens but selector 'lowest' always keeps 6"),
+        ('method = "pyramidkv"\n[params]\nbudget = 8\n',
+         "budget 'pyramid' for a 1-layer model: pyramid budget 8 leaves 0 prefix tokens after the window w=8"),
+    ],
+    ids=["sinks-fill-the-budget", "pyramid-below-its-window"],
+)
+def test_validate_rejects_a_config_whose_layer_budgets_cannot_be_built(tmp_path, capsys, text, why):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert main(["config", "validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{path}: invalid: {why}") and len(err.splitlines()) == 1, err
+
+
+def test_validate_ok_says_what_was_checked_and_what_is_left(tmp_path, capsys):
+    path = tmp_path / "squeeze.toml"
+    path.write_text('method = "squeeze"\n[params]\nbudget = 16\n')
+    assert main(["config", "validate", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path}: ok" and out[1].startswith("squeeze: scorer=h2o(")
+    assert out[2].startswith("checked: ") and "1, 2, 8, 32 layers" in out[2]
+    assert "left to build time: the model's layer count and head dim" in out[2] and "squeeze" in out[2]
+
+
+def test_validate_suggests_the_method_meant(tmp_path, capsys):
+    path = tmp_path / "typo.json"
+    path.write_text('{"method": "snapvk"}')
+    assert main(["config", "validate", str(path)]) == 2
+    assert "unknown method 'snapvk'; did you mean 'snapkv'?" in capsys.readouterr().err
