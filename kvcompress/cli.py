@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -19,6 +20,8 @@ BENCH_WORKLOADS = {
     "scaling": "kvcompress.bench.scaling",
 }
 DEFAULT_WORKLOAD = "retrieval"
+#: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
+PRELOAD_COMMANDS = ("bench", "generate")
 
 
 def _registry():
@@ -180,13 +183,19 @@ def cmd_doctor(args) -> int:
     print(f"mlx        {mx.__version__}   mlx-lm {lm_version}")
     print(f"device     {mx.default_device()}")
     if platform.system() == "Linux":
+        lib = find_openblas()
+        auto = ", ".join(f"`kvcompress {c}`" for c in PRELOAD_COMMANDS)
         if openblas_preloaded():
-            print("blas       OpenBLAS preloaded (fast CPU matmul)")
-        else:
-            lib = find_openblas()
-            where = f"found at {lib} but not preloaded" if lib else "not installed"
-            print(f"blas       reference BLAS (~35x slower matmul); OpenBLAS {where}")
+            print("blas       OpenBLAS preloaded in this process (fast CPU matmul)")
+        elif lib is None:
+            print("blas       reference BLAS (~35x slower matmul); OpenBLAS not found")
             print(f"           fix: {FIX_HINT}")
+        else:
+            off = os.environ.get("KVCOMPRESS_NO_BLAS_REEXEC")
+            how = ("not preloaded: KVCOMPRESS_NO_BLAS_REEXEC is set" if off
+                   else f"{auto} preload it automatically")
+            print(f"blas       OpenBLAS found at {lib}; {how}")
+            print(f"           for your own scripts: export LD_PRELOAD={lib}")
     reg = _registry()
     for p in reg.plugins():
         print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
@@ -245,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._blas import reexec_with_openblas
 
-    if argv and argv[0] in ("bench", "generate"):
+    if argv and argv[0] in PRELOAD_COMMANDS:
         reexec_with_openblas(["-m", "kvcompress", *argv])
     parser = build_parser()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")):

@@ -100,3 +100,49 @@ def test_validate_suggests_the_method_meant(tmp_path, capsys):
     path.write_text('{"method": "snapvk"}')
     assert main(["config", "validate", str(path)]) == 2
     assert "unknown method 'snapvk'; did you mean 'snapkv'?" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress doctor
+# ------------------------------------------------------------------------------------------
+
+
+def _doctor_blas(monkeypatch, capsys, *, found, preloaded, no_reexec=False) -> list[str]:
+    import platform
+
+    from kvcompress import _blas
+
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(_blas, "find_openblas", lambda: found)
+    monkeypatch.setattr(_blas, "openblas_preloaded", lambda: preloaded)
+    if no_reexec:
+        monkeypatch.setenv("KVCOMPRESS_NO_BLAS_REEXEC", "1")
+    else:
+        monkeypatch.delenv("KVCOMPRESS_NO_BLAS_REEXEC", raising=False)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(out) if line.startswith("blas"))
+    return [out[i], out[i + 1]]
+
+
+LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+def test_doctor_installed_openblas_is_preloaded_by_the_heavy_commands(monkeypatch, capsys):
+    blas, hint = _doctor_blas(monkeypatch, capsys, found=LIB, preloaded=False)
+    assert blas == f"blas       OpenBLAS found at {LIB}; `kvcompress bench`, `kvcompress generate` preload it automatically"
+    assert hint.split() == ["for", "your", "own", "scripts:", "export", f"LD_PRELOAD={LIB}"]
+    assert "apt-get" not in blas + hint and "not preloaded" not in blas
+
+
+def test_doctor_says_when_the_automatic_preload_is_switched_off(monkeypatch, capsys):
+    blas, _ = _doctor_blas(monkeypatch, capsys, found=LIB, preloaded=False, no_reexec=True)
+    assert blas.endswith("not preloaded: KVCOMPRESS_NO_BLAS_REEXEC is set")
+
+
+def test_doctor_suggests_installing_only_when_openblas_is_missing(monkeypatch, capsys):
+    blas, hint = _doctor_blas(monkeypatch, capsys, found=None, preloaded=False)
+    assert "OpenBLAS not found" in blas and "apt-get install libopenblas0-pthread" in hint
+    blas, hint = _doctor_blas(monkeypatch, capsys, found=LIB, preloaded=True)
+    assert blas == "blas       OpenBLAS preloaded in this process (fast CPU matmul)"
+    assert hint.startswith("plugin ")
