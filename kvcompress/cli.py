@@ -204,6 +204,37 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def _add_bench_parser(sub) -> None:
+    """``kvcompress bench [WORKLOAD]``; its help lists every workload with its one-line summary."""
+    mods, summaries = {}, {}
+    for name, modname in BENCH_WORKLOADS.items():
+        try:
+            mods[name] = importlib.import_module(modname)
+            doc = (mods[name].__doc__ or f"the {name} workload").strip().splitlines()[0]
+            summaries[name] = doc.rstrip(".").replace("``", "")
+        except ImportError as exc:  # missing optional dependencies
+            mods[name], summaries[name] = None, f"unavailable: {exc}"
+    width = max(map(len, summaries))
+    listing = "\n".join(f"  {name:<{width}}  {text}" for name, text in summaries.items())
+    p = sub.add_parser(
+        "bench", help=f"compare methods side by side (default workload: {DEFAULT_WORKLOAD})",
+        description="Compare methods side by side on a workload; each prints a table and\n"
+                    "writes JSON and a plot under docs/results/.",
+        epilog=f"workloads:\n{listing}\n\n`kvcompress bench WORKLOAD --help` lists a workload's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    wsub = p.add_subparsers(dest="workload", metavar="WORKLOAD",
+                            help=f"one of the workloads below (default: {DEFAULT_WORKLOAD})")
+    for name, mod in mods.items():
+        w = wsub.add_parser(name, description=summaries[name])
+        try:
+            mod.add_arguments(w)
+        except AttributeError as exc:  # not a workload module, or not importable (mod is None)
+            w.set_defaults(_import_error=str(exc) if mod else summaries[name])
+        w.set_defaults(func=cmd_bench, workload=name)
+    p.set_defaults(func=cmd_bench, workload=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,16 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("file")
     v.set_defaults(func=cmd_config_validate)
 
-    p = sub.add_parser("bench", help="compare methods side by side (default workload: retrieval)")
-    wsub = p.add_subparsers(dest="workload")
-    for name, modname in BENCH_WORKLOADS.items():
-        w = wsub.add_parser(name, help=f"the {name} workload")
-        try:
-            importlib.import_module(modname).add_arguments(w)
-        except (ImportError, AttributeError) as exc:  # missing optional deps, or not a workload module
-            w.set_defaults(_import_error=str(exc))
-        w.set_defaults(func=cmd_bench, workload=name)
-    p.set_defaults(func=cmd_bench, workload=None)
+    _add_bench_parser(sub)
 
     p = sub.add_parser("generate", help="mlx_lm.generate with a compressed cache, and the bytes it saved")
     from . import generate
@@ -257,7 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in PRELOAD_COMMANDS:
         reexec_with_openblas(["-m", "kvcompress", *argv])
     parser = build_parser()
-    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")):
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")) \
+            and not {"-h", "--help"} & set(argv[1:]):
         argv = ["bench", DEFAULT_WORKLOAD, *argv[1:]]
     args = parser.parse_args(argv)
     if getattr(args, "_import_error", None):

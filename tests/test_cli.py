@@ -146,3 +146,24 @@ def test_doctor_suggests_installing_only_when_openblas_is_missing(monkeypatch, c
     blas, hint = _doctor_blas(monkeypatch, capsys, found=LIB, preloaded=True)
     assert blas == "blas       OpenBLAS preloaded in this process (fast CPU matmul)"
     assert hint.startswith("plugin ")
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress bench --help
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "-h"]])
+def test_bench_help_lists_every_workload_with_a_summary(argv, capsys):
+    from kvcompress.cli import BENCH_WORKLOADS
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvcompress bench [-h] WORKLOAD")
+    listed = out.split("workloads:\n")[1].splitlines()
+    for name in BENCH_WORKLOADS:
+        line = next(line for line in listed if line.split()[:1] == [name])
+        assert len(line.split()) > 4, line  # name + a one-line description
+    assert "Retrieval under a bounded KV cache" in out and "``" not in out
