@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["add_arguments", "run", "cache_report"]
+__all__ = ["add_arguments", "run", "cache_report", "full_cache_bytes"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,21 +48,31 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def full_cache_bytes(offset: int, keys, values, step: Optional[int] = None) -> int:
+    """Bytes mlx-lm's ``KVCache`` holds after ``offset`` tokens with keys/values shaped like
+    ``keys``/``values`` ``[B, H, *, D]``: it allocates ``step`` (256) tokens at a time."""
+    if step is None:
+        from mlx_lm.models.cache import KVCache
+
+        step = KVCache.step
+    b, h = keys.shape[:2]
+    capacity = -(-int(offset) // step) * step
+    return capacity * b * h * (keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size)
+
+
 def cache_report(cache: list) -> dict[str, int]:
-    """Bytes the compressed cache holds vs what a full cache would hold for the same tokens."""
+    """Bytes the caches hold vs what mlx-lm's own ``KVCache`` would hold for the same tokens."""
     from .cache import CompressedKVCache
 
     held = full = 0
     for c in cache:
-        if isinstance(c, CompressedKVCache) and c.keys is not None:
-            b, h, _, dk = c.keys.shape
-            dv = c.values.shape[-1]
-            held += c.nbytes
-            full += c.offset * b * h * (dk * c.keys.dtype.size + dv * c.values.dtype.size)
+        n = int(getattr(c, "nbytes", 0) or 0)
+        held += n
+        if isinstance(c, CompressedKVCache):
+            if c.keys is not None:
+                full += full_cache_bytes(c.offset, c.keys, c.values)
         else:
-            n = getattr(c, "nbytes", 0)
-            held += n
-            full += n
+            full += n  # a layer kvcompress does not compress keeps its own cache either way
     return {"held_bytes": int(held), "full_bytes": int(full)}
 
 
