@@ -235,8 +235,19 @@ def _add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench, workload=None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
+    parser = _Parser(prog="kvcompress", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their package, version and components")
@@ -287,10 +298,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"workload {args.workload!r} is unavailable: {args._import_error}")
     from .errors import KVCompressError
 
+    prog = f"kvcompress {args.command}"
     try:
         return int(args.func(args) or 0)
     except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # bad files and values met while generating
+        if args.command != "generate":
+            raise
+        print(f"{prog}: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,8 @@
-"""``kvcompress generate``: mlx_lm.generate with a compressed cache, and what it saved."""
+"""``kvcompress generate``: mlx_lm.generate with a compressed cache, and what it saved.
+
+Everything that can be checked without the model (option values, the method, file paths) is
+checked before the model loads; every problem is a :class:`~kvcompress.ConfigError` naming it.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +11,116 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["add_arguments", "run", "cache_report", "full_cache_bytes"]
+__all__ = [
+    "add_arguments", "run", "check_args", "cache_report", "full_cache_bytes", "load_model",
+]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ((lo < value if lo_open else lo <= value) and value <= hi):
+            want = f">= {lo:g}" if hi == float("inf") else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"expected a number {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _param(text: str) -> tuple[str, Any]:
+    """argparse type: ``NAME=VALUE``, the value parsed as JSON, else kept as a string."""
+    import json
+
+    name, eq, raw = text.partition("=")
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return name.strip(), raw
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local mlx-lm model folder or Hugging Face id")
     p.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text ('-' reads stdin)")
     p.add_argument("--method", default=None, help="a registered method (default cam; see kvcompress methods)")
-    p.add_argument("--budget", type=int, default=None, help="tokens kept per layer")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="the method's budget parameter: tokens kept per layer, or the mean over "
+                        "layers for per-layer budgets (pyramid, squeeze)")
     p.add_argument("--config", default=None, help="TOML/JSON method config (instead of --method)")
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="extra method parameter, e.g. --param n_sink=4 (repeatable)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=256, help="tokens to generate (>= 1)")
+    p.add_argument("--temp", type=_float_in(0.0, float("inf")), default=0.0, help="sampling temperature (>= 0)")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048)
     p.add_argument("--prompt-cache-file", default=None,
                    help="load a saved (compressed) cache and continue from it with --prompt")
-    p.add_argument("--save-prompt-cache", default=None, help="save the cache after generating")
+    p.add_argument("--save-prompt-cache", default=None, help="save the cache after generating (.safetensors)")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--verbose", action="store_true", help="print per-layer cache diagnostics")
 
 
-def _parse_params(items: list[str]) -> dict[str, Any]:
-    import json
+def check_args(args):
+    """Check the options before the model loads; returns the method to build."""
+    from .config import load_config
+    from .errors import ConfigError
+    from .method import build_method
+
+    if args.save_prompt_cache is not None:
+        out = Path(args.save_prompt_cache)
+        if not out.parent.is_dir():
+            raise ConfigError(f"--save-prompt-cache {str(out)!r}: folder {str(out.parent)!r} does not exist")
+        if out.suffix != ".safetensors":  # mlx adds it anyway; report the real name
+            args.save_prompt_cache = str(out) + ".safetensors"
+    if args.config and args.method:
+        raise ConfigError("give either --method or --config, not both")
+    params = dict(args.param)
+    if args.budget is not None:
+        params["budget"] = args.budget
+    method = load_config(args.config) if args.config else (args.method or "cam")
+    return build_method(method, **params)
+
+
+def load_model(name: str):
+    """``mlx_lm.load(name)``; a failure is one ConfigError naming the model."""
+    import mlx_lm
 
     from .errors import ConfigError
 
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--param expects NAME=VALUE, got {item!r}")
-        name, raw = item.split("=", 1)
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
-    return out
+    try:
+        return mlx_lm.load(name)
+    except Exception as exc:  # mlx-lm and huggingface_hub raise many types for a bad name
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if Path(name).is_dir():
+            raise ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})") from exc
+        raise ConfigError(
+            f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})"
+        ) from exc
+
+
+def _prompt_tokens(tokenizer, args, text: str) -> list[int]:
+    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
+        messages.append({"role": "user", "content": text})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text)
 
 
 def full_cache_bytes(offset: int, keys, values, step: Optional[int] = None) -> int:
@@ -76,43 +151,27 @@ def cache_report(cache: list) -> dict[str, int]:
     return {"held_bytes": int(held), "full_bytes": int(full)}
 
 
-def _prompt_tokens(tokenizer, args) -> list[int]:
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
-        messages.append({"role": "user", "content": text})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text)
-
-
 def run(args) -> dict:
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from .config import load_config
     from .factory import make_prompt_cache
     from .persistence import load_prompt_cache, save_prompt_cache
 
-    model, tokenizer = mlx_lm.load(args.model)
+    method = check_args(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer = load_model(args.model)
     if args.prompt_cache_file and Path(args.prompt_cache_file).exists():
         cache = load_prompt_cache(args.prompt_cache_file)
         from .attention import install
 
         install(model)
     else:
-        params = _parse_params(args.param)
-        if args.budget is not None:
-            params["budget"] = args.budget
-        if args.config and args.method:
-            from .errors import ConfigError
-
-            raise ConfigError("give either --method or --config, not both")
-        method = load_config(args.config) if args.config else (args.method or "cam")
-        cache = make_prompt_cache(model, method, **params)
+        cache = make_prompt_cache(model, method)
+    prompt = _prompt_tokens(tokenizer, args, text)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    prompt = _prompt_tokens(tokenizer, args)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     last = None
     for resp in mlx_lm.stream_generate(
