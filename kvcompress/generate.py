@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
-    "add_arguments", "run", "check_args", "cache_report", "full_cache_bytes", "load_model",
+    "add_arguments", "run", "check_args", "cache_report", "full_cache_bytes", "prompt_tokens",
+    "load_model",
 ]
+
+#: options that choose the method; refused with --prompt-cache-file (the file holds the method)
+METHOD_OPTIONS = ("method", "budget", "config", "param")
 
 
 def positive_int(text: str) -> int:
@@ -70,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--prefill-step-size", type=positive_int, default=2048)
     p.add_argument("--prompt-cache-file", default=None,
-                   help="load a saved (compressed) cache and continue from it with --prompt")
+                   help="continue a saved cache (its method comes from the file) with --prompt")
     p.add_argument("--save-prompt-cache", default=None, help="save the cache after generating (.safetensors)")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", default=None)
@@ -78,17 +82,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args):
-    """Check the options before the model loads; returns the method to build."""
+    """Check the options before the model loads; returns the method to build (None with a file)."""
     from .config import load_config
     from .errors import ConfigError
     from .method import build_method
 
+    if args.prompt_cache_file is not None:
+        given = [f"--{o}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
+        if given:
+            raise ConfigError(
+                f"--prompt-cache-file continues the saved cache with the method stored in the file; "
+                f"drop {', '.join(given)}"
+            )
+        if not Path(args.prompt_cache_file).is_file():
+            raise ConfigError(f"--prompt-cache-file {args.prompt_cache_file!r} does not exist")
     if args.save_prompt_cache is not None:
         out = Path(args.save_prompt_cache)
         if not out.parent.is_dir():
             raise ConfigError(f"--save-prompt-cache {str(out)!r}: folder {str(out.parent)!r} does not exist")
         if out.suffix != ".safetensors":  # mlx adds it anyway; report the real name
             args.save_prompt_cache = str(out) + ".safetensors"
+    if args.prompt_cache_file is not None:
+        return None
     if args.config and args.method:
         raise ConfigError("give either --method or --config, not both")
     params = dict(args.param)
@@ -115,12 +130,61 @@ def load_model(name: str):
         ) from exc
 
 
-def _prompt_tokens(tokenizer, args, text: str) -> list[int]:
-    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
-        messages.append({"role": "user", "content": text})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text)
+def _read_saved_cache(path: str) -> list:
+    from .errors import ConfigError, KVCompressError
+    from .persistence import load_prompt_cache
+
+    try:
+        return load_prompt_cache(path)
+    except KVCompressError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"--prompt-cache-file {path!r} is not a readable prompt cache ({why})") from exc
+
+
+def _attach_saved_cache(cache: list, model, path: str) -> list:
+    from . import install
+    from .errors import ConfigError
+
+    if len(cache) != len(model.layers):
+        raise ConfigError(
+            f"--prompt-cache-file {path!r} holds {len(cache)} layers; the model has {len(model.layers)}"
+        )
+    install(model)
+    return cache
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+
+
+def prompt_tokens(tokenizer, text: str, *, chat_template: bool = True, system_prompt: Optional[str] = None,
+                  continuation: bool = False) -> list[int]:
+    """The token ids to feed for ``text``.
+
+    ``continuation``: the tokens follow a saved cache, so no BOS and, with a chat template, only
+    the new user turn and the generation prompt (not the template's opening or system prompt).
+    """
+    if not (chat_template and _has_chat_template(tokenizer)):
+        return list(tokenizer.encode(text, add_special_tokens=not continuation))
+
+    def render(messages, gen):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    turn = {"role": "user", "content": text}
+    prompt = render([*head, turn], True)
+    if continuation:
+        # What the template adds after a finished exchange is the new turn alone.
+        before = [*head, {"role": "user", "content": "<query>"}, {"role": "assistant", "content": "<reply>"}]
+        done, both = render(before, False), render([*before, turn], True)
+        if both.startswith(done):
+            prompt = both[len(done):]
+        else:  # a template that rewrites earlier turns: mlx-lm's probe (from the user's text on)
+            probe = render([*head, {"role": "user", "content": "<query>"}], True)
+            prompt = prompt[probe.index("<query>"):]
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def full_cache_bytes(offset: int, keys, values, step: Optional[int] = None) -> int:
@@ -156,20 +220,23 @@ def run(args) -> dict:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    from .errors import ConfigError
     from .factory import make_prompt_cache
-    from .persistence import load_prompt_cache, save_prompt_cache
+    from .persistence import save_prompt_cache
 
     method = check_args(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    continuing = args.prompt_cache_file is not None
+    saved = _read_saved_cache(args.prompt_cache_file) if continuing else None
     model, tokenizer = load_model(args.model)
-    if args.prompt_cache_file and Path(args.prompt_cache_file).exists():
-        cache = load_prompt_cache(args.prompt_cache_file)
-        from .attention import install
-
-        install(model)
+    if continuing:
+        cache = _attach_saved_cache(saved, model, args.prompt_cache_file)
     else:
         cache = make_prompt_cache(model, method)
-    prompt = _prompt_tokens(tokenizer, args, text)
+    prompt = prompt_tokens(tokenizer, text, chat_template=not args.ignore_chat_template,
+                           system_prompt=args.system_prompt, continuation=continuing)
+    if not prompt:
+        raise ConfigError("the prompt is empty: give --prompt some text to continue with")
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)

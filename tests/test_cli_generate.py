@@ -1,7 +1,10 @@
-"""``kvcompress generate``: bad options are one error line (exit 2) before the model loads, and the
-KV-cache line compares the bytes held with what mlx-lm's own ``KVCache`` would hold."""
+"""``kvcompress generate``: bad options are one error line (exit 2) before the model loads, a saved
+cache continues without a second BOS or chat-template opening, and the KV-cache line compares the
+bytes held with what mlx-lm's own ``KVCache`` would hold."""
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 import mlx_lm
@@ -11,7 +14,12 @@ from mlx_lm.models.cache import KVCache
 import kvcompress
 from kvcompress import generate
 from kvcompress.cli import main
-from kvcompress.generate import cache_report, full_cache_bytes
+from kvcompress.generate import cache_report, full_cache_bytes, prompt_tokens
+
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token if loop.first else '' }}<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _error(capsys, argv) -> str:
@@ -53,12 +61,32 @@ def no_model_load(monkeypatch):
         (["--method", "snapvk"], "unknown method 'snapvk'; did you mean 'snapkv'? registered methods: "),
         (["--method", "h2o", "--param", "n_sinks=2"], "unknown parameter 'n_sinks' for method 'h2o'"),
         (["--method", "h2o", "--config", "x.toml"], "give either --method or --config, not both"),
+        (["--prompt-cache-file", "nope.safetensors"], "--prompt-cache-file 'nope.safetensors' does not exist"),
         (["--save-prompt-cache", "no/such/dir/c.safetensors"], "folder 'no/such/dir' does not exist"),
     ],
 )
 def test_bad_options_are_one_line_before_the_model_loads(no_model_load, capsys, extra, message):
     line = _error(capsys, ["generate", "--model", "unused", *extra])
     assert message in line, line
+
+
+@pytest.mark.parametrize(
+    "extra", [["--method", "h2o"], ["--budget", "32"], ["--config", "c.toml"], ["--param", "n_sink=2"],
+              ["--method", "h2o", "--budget", "32"]],
+)
+def test_a_saved_cache_refuses_method_options(no_model_load, capsys, tmp_path, extra):
+    saved = tmp_path / "c.safetensors"
+    saved.write_bytes(b"")
+    line = _error(capsys, ["generate", "--model", "unused", "--prompt-cache-file", str(saved), *extra])
+    assert "--prompt-cache-file continues the saved cache with the method stored in the file" in line
+    assert "drop " + ", ".join(a for a in extra if a.startswith("--")) in line
+
+
+def test_an_unreadable_saved_cache_is_one_line(no_model_load, capsys, tmp_path):
+    saved = tmp_path / "c.safetensors"
+    saved.write_bytes(b"not a safetensors file")
+    line = _error(capsys, ["generate", "--model", "unused", "--prompt-cache-file", str(saved)])
+    assert f"--prompt-cache-file {str(saved)!r}" in line
 
 
 def test_a_method_whose_plugin_is_disabled_says_how_to_re_enable(no_model_load, capsys, monkeypatch):
@@ -100,6 +128,77 @@ def test_main_reports_os_and_value_errors_of_generate_but_not_bugs(monkeypatch, 
     monkeypatch.setattr(generate, "run", fail(TypeError("a bug")))
     with pytest.raises(TypeError, match="a bug"):
         main(["generate", "--model", "m"])
+
+
+# ------------------------------------------------------------------------------------------
+# Continuing a saved cache
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_tokenizer(stories_model, monkeypatch):
+    """The stories260K tokenizer with a chat template set on it (it has none of its own)."""
+    tok = stories_model[1]
+    monkeypatch.setattr(tok, "chat_template", TEMPLATE)
+    monkeypatch.setattr(tok, "has_chat_template", True)
+    return tok
+
+
+def test_continuation_tokens_without_a_chat_template(stories_model):
+    tok = stories_model[1]
+    assert not tok.has_chat_template
+    fresh = prompt_tokens(tok, " The end.")
+    cont = prompt_tokens(tok, " The end.", continuation=True)
+    assert fresh[0] == tok.bos_token_id and fresh[1:] == cont
+    assert cont == tok.encode(" The end.", add_special_tokens=False) and tok.bos_token_id not in cont
+
+
+def test_continuation_tokens_with_a_chat_template_are_only_the_new_turn(chat_tokenizer):
+    tok = chat_tokenizer
+    fresh = prompt_tokens(tok, "The end.", system_prompt="Be brief.")
+    assert tok.decode(fresh).startswith("<s> <|system|>\nBe brief.")
+    cont = prompt_tokens(tok, "The end.", system_prompt="Be brief.", continuation=True)
+    assert cont == tok.encode("<|user|>\nThe end.</s>\n<|assistant|>\n", add_special_tokens=False)
+    assert tok.bos_token_id not in cont and "system" not in tok.decode(cont)
+    raw = prompt_tokens(tok, "The end.", chat_template=False, continuation=True)
+    assert raw == tok.encode("The end.", add_special_tokens=False)
+
+
+def _capture_prompts(monkeypatch) -> list:
+    seen, real = [], mlx_lm.stream_generate
+
+    def stream_generate(model, tokenizer, prompt, **kw):
+        seen.append(list(prompt))
+        yield from real(model, tokenizer, prompt, **kw)
+
+    monkeypatch.setattr(mlx_lm, "stream_generate", stream_generate)
+    return seen
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["raw", "chat-template"])
+def test_generate_continues_a_saved_cache_without_repeating_the_opening(
+    stories_model, chat_tokenizer, monkeypatch, capsys, tmp_path, template
+):
+    model, tok = stories_model
+    if not template:
+        monkeypatch.setattr(tok, "has_chat_template", False)
+        monkeypatch.setattr(tok, "chat_template", None)
+    monkeypatch.setattr(mlx_lm, "load", lambda name: (model, tok))
+    prompts = _capture_prompts(monkeypatch)
+    saved = tmp_path / "c.safetensors"
+    assert main(["generate", "--model", "stories", "--method", "h2o", "--budget", "24", "--max-tokens", "20",
+                 "--save-prompt-cache", str(saved)]) == 0
+    offset = kvcompress.load_prompt_cache(str(saved))[0].offset
+    capsys.readouterr()
+    assert main(["generate", "--model", "stories", "--prompt-cache-file", str(saved), "--prompt", "The end.",
+                 "--max-tokens", "5", "--verbose"]) == 0
+    first, second = prompts
+    assert first[0] == tok.bos_token_id and tok.bos_token_id not in second
+    text = "<|user|>\nThe end.</s>\n<|assistant|>\n" if template else "The end."
+    assert second == tok.encode(text, add_special_tokens=False)
+    out = capsys.readouterr().out
+    n_new = int(re.search(r"^Generation: (\d+) tokens", out, re.M).group(1))
+    assert f"'offset': {offset + len(second) + n_new}," in out, out
 
 
 # ------------------------------------------------------------------------------------------
