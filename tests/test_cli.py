@@ -167,3 +167,24 @@ def test_bench_help_lists_every_workload_with_a_summary(argv, capsys):
         line = next(line for line in listed if line.split()[:1] == [name])
         assert len(line.split()) > 4, line  # name + a one-line description
     assert "Retrieval under a bounded KV cache" in out and "``" not in out
+
+
+# ------------------------------------------------------------------------------------------
+# Usage errors
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["components", "--kind", "scorers"], "kvcompress components: error: argument --kind: invalid choice: 'scorers'"),
+        (["config", "validate"], "kvcompress config validate: error: the following arguments are required: file"),
+        (["bench", "nosuch"], "kvcompress bench: error: argument WORKLOAD: invalid choice: 'nosuch'"),
+    ],
+)
+def test_usage_errors_are_one_line_with_the_choices(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(message) and line.endswith("--help)"), line
