@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -19,6 +20,8 @@ BENCH_WORKLOADS = {
     "scaling": "kvcompress.bench.scaling",
 }
 DEFAULT_WORKLOAD = "retrieval"
+#: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
+PRELOAD_COMMANDS = ("bench", "generate")
 
 
 def _registry():
@@ -90,16 +93,48 @@ def cmd_methods(args) -> int:
     if args.markdown:
         print(methods_table(reg))
         return 0
+    why = {name: reg.unavailable(name) for name in reg.methods}
     if args.json:
         print(json.dumps({n: {"scorer": p.spec.scorer, "selector": p.spec.selector,
                               "disposition": p.spec.disposition, "budget": p.spec.budget,
                               "params": p.spec.params, "summary": p.spec.summary,
-                              "plugin": p.plugin} for n, p in sorted(reg.methods.items())}, indent=2))
+                              "plugin": p.plugin, "available": why[n] is None,
+                              **({"why": why[n]} if why[n] else {})}
+                          for n, p in sorted(reg.methods.items())}, indent=2))
         return 0
     for name, prov in sorted(reg.methods.items()):
         s = prov.spec
-        print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+        if why[name]:
+            print(f"{name:<16} [unavailable: {why[name]}]")
+        else:
+            print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
     return 0
+
+
+#: Layer counts ``config validate`` evaluates a budget for, without a model.
+NOMINAL_LAYERS = (1, 2, 8, 32)
+
+
+def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
+    """Raise ConfigError unless every layer budget, for each nominal layer count, leaves room to
+    evict past the selector's reserved tokens (what building the caches would check)."""
+    from .components import ModelInfo
+    from .errors import ConfigError
+
+    budget, selector = method.config.budget.name, method.config.selector.name
+    for n in layer_counts:
+        where = f"budget {budget!r} for a {n}-layer model"
+        try:
+            budgets = method.budget.layer_budgets(ModelInfo(n_layers=n))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        for layer, b in enumerate(budgets):
+            reserved = method.selector.reserved(int(b))
+            if reserved >= b:
+                raise ConfigError(
+                    f"{where}: layer {layer} gets {b} tokens but selector {selector!r} always keeps "
+                    f"{reserved} (sinks + recent window); raise the budget or protect fewer tokens"
+                )
 
 
 def cmd_config_validate(args) -> int:
@@ -109,11 +144,15 @@ def cmd_config_validate(args) -> int:
 
     try:
         method = build_method(load_config(args.file))
+        check_layer_budgets(method)
     except KVCompressError as exc:
         print(f"{args.file}: invalid: {exc}", file=sys.stderr)
         return 2
     print(f"{args.file}: ok")
     print(method.describe())
+    print(f"checked: names, parameters, composition, and layer budgets for "
+          f"{', '.join(map(str, NOMINAL_LAYERS))} layers; left to build time: the model's layer count "
+          "and head dim, and data-driven budgets (e.g. squeeze re-splits after the prompt)")
     return 0
 
 
@@ -144,13 +183,19 @@ def cmd_doctor(args) -> int:
     print(f"mlx        {mx.__version__}   mlx-lm {lm_version}")
     print(f"device     {mx.default_device()}")
     if platform.system() == "Linux":
+        lib = find_openblas()
+        auto = ", ".join(f"`kvcompress {c}`" for c in PRELOAD_COMMANDS)
         if openblas_preloaded():
-            print("blas       OpenBLAS preloaded (fast CPU matmul)")
-        else:
-            lib = find_openblas()
-            where = f"found at {lib} but not preloaded" if lib else "not installed"
-            print(f"blas       reference BLAS (~35x slower matmul); OpenBLAS {where}")
+            print("blas       OpenBLAS preloaded in this process (fast CPU matmul)")
+        elif lib is None:
+            print("blas       reference BLAS (~35x slower matmul); OpenBLAS not found")
             print(f"           fix: {FIX_HINT}")
+        else:
+            off = os.environ.get("KVCOMPRESS_NO_BLAS_REEXEC")
+            how = ("not preloaded: KVCOMPRESS_NO_BLAS_REEXEC is set" if off
+                   else f"{auto} preload it automatically")
+            print(f"blas       OpenBLAS found at {lib}; {how}")
+            print(f"           for your own scripts: export LD_PRELOAD={lib}")
     reg = _registry()
     for p in reg.plugins():
         print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
@@ -159,8 +204,50 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def _add_bench_parser(sub) -> None:
+    """``kvcompress bench [WORKLOAD]``; its help lists every workload with its one-line summary."""
+    mods, summaries = {}, {}
+    for name, modname in BENCH_WORKLOADS.items():
+        try:
+            mods[name] = importlib.import_module(modname)
+            doc = (mods[name].__doc__ or f"the {name} workload").strip().splitlines()[0]
+            summaries[name] = doc.rstrip(".").replace("``", "")
+        except ImportError as exc:  # missing optional dependencies
+            mods[name], summaries[name] = None, f"unavailable: {exc}"
+    width = max(map(len, summaries))
+    listing = "\n".join(f"  {name:<{width}}  {text}" for name, text in summaries.items())
+    p = sub.add_parser(
+        "bench", help=f"compare methods side by side (default workload: {DEFAULT_WORKLOAD})",
+        description="Compare methods side by side on a workload; each prints a table and\n"
+                    "writes JSON and a plot under docs/results/.",
+        epilog=f"workloads:\n{listing}\n\n`kvcompress bench WORKLOAD --help` lists a workload's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    wsub = p.add_subparsers(dest="workload", metavar="WORKLOAD",
+                            help=f"one of the workloads below (default: {DEFAULT_WORKLOAD})")
+    for name, mod in mods.items():
+        w = wsub.add_parser(name, description=summaries[name])
+        try:
+            mod.add_arguments(w)
+        except AttributeError as exc:  # not a workload module, or not importable (mod is None)
+            w.set_defaults(_import_error=str(exc) if mod else summaries[name])
+        w.set_defaults(func=cmd_bench, workload=name)
+    p.set_defaults(func=cmd_bench, workload=None)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__)
+    parser = _Parser(prog="kvcompress", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their package, version and components")
@@ -183,16 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("file")
     v.set_defaults(func=cmd_config_validate)
 
-    p = sub.add_parser("bench", help="compare methods side by side (default workload: retrieval)")
-    wsub = p.add_subparsers(dest="workload")
-    for name, modname in BENCH_WORKLOADS.items():
-        w = wsub.add_parser(name, help=f"the {name} workload")
-        try:
-            importlib.import_module(modname).add_arguments(w)
-        except (ImportError, AttributeError) as exc:  # missing optional deps, or not a workload module
-            w.set_defaults(_import_error=str(exc))
-        w.set_defaults(func=cmd_bench, workload=name)
-    p.set_defaults(func=cmd_bench, workload=None)
+    _add_bench_parser(sub)
 
     p = sub.add_parser("generate", help="mlx_lm.generate with a compressed cache, and the bytes it saved")
     from . import generate
@@ -209,20 +287,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._blas import reexec_with_openblas
 
-    if argv and argv[0] in ("bench", "generate"):
+    if argv and argv[0] in PRELOAD_COMMANDS:
         reexec_with_openblas(["-m", "kvcompress", *argv])
     parser = build_parser()
-    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")):
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")) \
+            and not {"-h", "--help"} & set(argv[1:]):
         argv = ["bench", DEFAULT_WORKLOAD, *argv[1:]]
     args = parser.parse_args(argv)
     if getattr(args, "_import_error", None):
         parser.error(f"workload {args.workload!r} is unavailable: {args._import_error}")
     from .errors import KVCompressError
 
+    prog = f"kvcompress {args.command}"
     try:
         return int(args.func(args) or 0)
     except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # bad files and values met while generating
+        if args.command != "generate":
+            raise
+        print(f"{prog}: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -106,14 +106,18 @@ def load_config(source: Union[str, Path, dict]) -> MethodConfig:
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}); is it a binary file?"
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {exc}") from exc
     return MethodConfig.from_dict(data)
@@ -143,20 +147,20 @@ _converter.register_structure_hook(float, _strict(float, (numbers.Real,), float)
 _converter.register_structure_hook(str, _strict(str, (str,), str))
 
 
-def _messages(exc: BaseException, path: str) -> list[str]:
+def _describe(exc: BaseException, _type) -> str:
+    """cattrs' error formatter, keeping the validators' own messages (the default drops them)."""
     if isinstance(exc, ForbiddenExtraKeysError):
-        return [f"{path}: unknown parameter(s) {sorted(exc.extra_fields)}"]
-    if isinstance(exc, (ClassValidationError, IterableValidationError)):
-        out = []
-        for sub in exc.exceptions:
-            note = next((n for n in getattr(sub, "__notes__", []) if "@" in n or "Structuring" in n), "")
-            field = ""
-            if "attribute" in note:
-                field = note.split("attribute")[-1].strip().strip("'`")
-                field = field.split()[0].strip("'`") if field else ""
-            out += _messages(sub, f"{path}.{field}" if field else path)
-        return out
-    return [f"{path}: {exc}"]
+        return f"unknown parameter(s) {sorted(exc.extra_fields)}"
+    return str(exc)
+
+
+def _messages(exc: BaseException, path: str) -> list[str]:
+    """``path.field: message`` for every error in a cattrs validation error."""
+    out = []
+    for msg in cattrs.transform_error(exc, path=path, format_exception=_describe):
+        what, _, where = msg.rpartition(" @ ")  # transform_error's "{description} @ {path}"
+        out.append(f"{where}: {what}")
+    return out
 
 
 def structure_component(spec, params: dict, owner: str = "") -> Any:

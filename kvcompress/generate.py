@@ -1,78 +1,218 @@
-"""``kvcompress generate``: mlx_lm.generate with a compressed cache, and what it saved."""
+"""``kvcompress generate``: mlx_lm.generate with a compressed cache, and what it saved.
+
+Everything that can be checked without the model (option values, the method, file paths) is
+checked before the model loads; every problem is a :class:`~kvcompress.ConfigError` naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["add_arguments", "run", "cache_report"]
+__all__ = [
+    "add_arguments", "run", "check_args", "cache_report", "full_cache_bytes", "prompt_tokens",
+    "load_model",
+]
+
+#: options that choose the method; refused with --prompt-cache-file (the file holds the method)
+METHOD_OPTIONS = ("method", "budget", "config", "param")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ((lo < value if lo_open else lo <= value) and value <= hi):
+            want = f">= {lo:g}" if hi == float("inf") else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"expected a number {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _param(text: str) -> tuple[str, Any]:
+    """argparse type: ``NAME=VALUE``, the value parsed as JSON, else kept as a string."""
+    import json
+
+    name, eq, raw = text.partition("=")
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return name.strip(), raw
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local mlx-lm model folder or Hugging Face id")
     p.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text ('-' reads stdin)")
     p.add_argument("--method", default=None, help="a registered method (default cam; see kvcompress methods)")
-    p.add_argument("--budget", type=int, default=None, help="tokens kept per layer")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="the method's budget parameter: tokens kept per layer, or the mean over "
+                        "layers for per-layer budgets (pyramid, squeeze)")
     p.add_argument("--config", default=None, help="TOML/JSON method config (instead of --method)")
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="extra method parameter, e.g. --param n_sink=4 (repeatable)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=256, help="tokens to generate (>= 1)")
+    p.add_argument("--temp", type=_float_in(0.0, float("inf")), default=0.0, help="sampling temperature (>= 0)")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048)
     p.add_argument("--prompt-cache-file", default=None,
-                   help="load a saved (compressed) cache and continue from it with --prompt")
-    p.add_argument("--save-prompt-cache", default=None, help="save the cache after generating")
+                   help="continue a saved cache (its method comes from the file) with --prompt")
+    p.add_argument("--save-prompt-cache", default=None, help="save the cache after generating (.safetensors)")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--verbose", action="store_true", help="print per-layer cache diagnostics")
 
 
-def _parse_params(items: list[str]) -> dict[str, Any]:
-    import json
+def check_args(args):
+    """Check the options before the model loads; returns the method to build (None with a file)."""
+    from .config import load_config
+    from .errors import ConfigError
+    from .method import build_method
+
+    if args.prompt_cache_file is not None:
+        given = [f"--{o}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
+        if given:
+            raise ConfigError(
+                f"--prompt-cache-file continues the saved cache with the method stored in the file; "
+                f"drop {', '.join(given)}"
+            )
+        if not Path(args.prompt_cache_file).is_file():
+            raise ConfigError(f"--prompt-cache-file {args.prompt_cache_file!r} does not exist")
+    if args.save_prompt_cache is not None:
+        out = Path(args.save_prompt_cache)
+        if not out.parent.is_dir():
+            raise ConfigError(f"--save-prompt-cache {str(out)!r}: folder {str(out.parent)!r} does not exist")
+        if out.suffix != ".safetensors":  # mlx adds it anyway; report the real name
+            args.save_prompt_cache = str(out) + ".safetensors"
+    if args.prompt_cache_file is not None:
+        return None
+    if args.config and args.method:
+        raise ConfigError("give either --method or --config, not both")
+    params = dict(args.param)
+    if args.budget is not None:
+        params["budget"] = args.budget
+    method = load_config(args.config) if args.config else (args.method or "cam")
+    return build_method(method, **params)
+
+
+def load_model(name: str):
+    """``mlx_lm.load(name)``; a failure is one ConfigError naming the model."""
+    import mlx_lm
 
     from .errors import ConfigError
 
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--param expects NAME=VALUE, got {item!r}")
-        name, raw = item.split("=", 1)
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
-    return out
+    try:
+        return mlx_lm.load(name)
+    except Exception as exc:  # mlx-lm and huggingface_hub raise many types for a bad name
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if Path(name).is_dir():
+            raise ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})") from exc
+        raise ConfigError(
+            f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})"
+        ) from exc
+
+
+def _read_saved_cache(path: str) -> list:
+    from .errors import ConfigError, KVCompressError
+    from .persistence import load_prompt_cache
+
+    try:
+        return load_prompt_cache(path)
+    except KVCompressError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        why = " ".join(str(exc).split())
+        raise ConfigError(f"--prompt-cache-file {path!r} is not a readable prompt cache ({why})") from exc
+
+
+def _attach_saved_cache(cache: list, model, path: str) -> list:
+    from . import install
+    from .errors import ConfigError
+
+    if len(cache) != len(model.layers):
+        raise ConfigError(
+            f"--prompt-cache-file {path!r} holds {len(cache)} layers; the model has {len(model.layers)}"
+        )
+    install(model)
+    return cache
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+
+
+def prompt_tokens(tokenizer, text: str, *, chat_template: bool = True, system_prompt: Optional[str] = None,
+                  continuation: bool = False) -> list[int]:
+    """The token ids to feed for ``text``.
+
+    ``continuation``: the tokens follow a saved cache, so no BOS and, with a chat template, only
+    the new user turn and the generation prompt (not the template's opening or system prompt).
+    """
+    if not (chat_template and _has_chat_template(tokenizer)):
+        return list(tokenizer.encode(text, add_special_tokens=not continuation))
+
+    def render(messages, gen):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    turn = {"role": "user", "content": text}
+    prompt = render([*head, turn], True)
+    if continuation:
+        # What the template adds after a finished exchange is the new turn alone.
+        before = [*head, {"role": "user", "content": "<query>"}, {"role": "assistant", "content": "<reply>"}]
+        done, both = render(before, False), render([*before, turn], True)
+        if both.startswith(done):
+            prompt = both[len(done):]
+        else:  # a template that rewrites earlier turns: mlx-lm's probe (from the user's text on)
+            probe = render([*head, {"role": "user", "content": "<query>"}], True)
+            prompt = prompt[probe.index("<query>"):]
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def full_cache_bytes(offset: int, keys, values, step: Optional[int] = None) -> int:
+    """Bytes mlx-lm's ``KVCache`` holds after ``offset`` tokens with keys/values shaped like
+    ``keys``/``values`` ``[B, H, *, D]``: it allocates ``step`` (256) tokens at a time."""
+    if step is None:
+        from mlx_lm.models.cache import KVCache
+
+        step = KVCache.step
+    b, h = keys.shape[:2]
+    capacity = -(-int(offset) // step) * step
+    return capacity * b * h * (keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size)
 
 
 def cache_report(cache: list) -> dict[str, int]:
-    """Bytes the compressed cache holds vs what a full cache would hold for the same tokens."""
+    """Bytes the caches hold vs what mlx-lm's own ``KVCache`` would hold for the same tokens."""
     from .cache import CompressedKVCache
 
     held = full = 0
     for c in cache:
-        if isinstance(c, CompressedKVCache) and c.keys is not None:
-            b, h, _, dk = c.keys.shape
-            dv = c.values.shape[-1]
-            held += c.nbytes
-            full += c.offset * b * h * (dk * c.keys.dtype.size + dv * c.values.dtype.size)
+        n = int(getattr(c, "nbytes", 0) or 0)
+        held += n
+        if isinstance(c, CompressedKVCache):
+            if c.keys is not None:
+                full += full_cache_bytes(c.offset, c.keys, c.values)
         else:
-            n = getattr(c, "nbytes", 0)
-            held += n
-            full += n
+            full += n  # a layer kvcompress does not compress keeps its own cache either way
     return {"held_bytes": int(held), "full_bytes": int(full)}
-
-
-def _prompt_tokens(tokenizer, args) -> list[int]:
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
-        messages.append({"role": "user", "content": text})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text)
 
 
 def run(args) -> dict:
@@ -80,29 +220,25 @@ def run(args) -> dict:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from .config import load_config
+    from .errors import ConfigError
     from .factory import make_prompt_cache
-    from .persistence import load_prompt_cache, save_prompt_cache
+    from .persistence import save_prompt_cache
 
-    model, tokenizer = mlx_lm.load(args.model)
-    if args.prompt_cache_file and Path(args.prompt_cache_file).exists():
-        cache = load_prompt_cache(args.prompt_cache_file)
-        from .attention import install
-
-        install(model)
+    method = check_args(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    continuing = args.prompt_cache_file is not None
+    saved = _read_saved_cache(args.prompt_cache_file) if continuing else None
+    model, tokenizer = load_model(args.model)
+    if continuing:
+        cache = _attach_saved_cache(saved, model, args.prompt_cache_file)
     else:
-        params = _parse_params(args.param)
-        if args.budget is not None:
-            params["budget"] = args.budget
-        if args.config and args.method:
-            from .errors import ConfigError
-
-            raise ConfigError("give either --method or --config, not both")
-        method = load_config(args.config) if args.config else (args.method or "cam")
-        cache = make_prompt_cache(model, method, **params)
+        cache = make_prompt_cache(model, method)
+    prompt = prompt_tokens(tokenizer, text, chat_template=not args.ignore_chat_template,
+                           system_prompt=args.system_prompt, continuation=continuing)
+    if not prompt:
+        raise ConfigError("the prompt is empty: give --prompt some text to continue with")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    prompt = _prompt_tokens(tokenizer, args)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     last = None
     for resp in mlx_lm.stream_generate(

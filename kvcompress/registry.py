@@ -3,12 +3,14 @@
 Plugins, built-in and third-party alike, are found through the entry-point group
 ``kvcompress``. A plugin that fails to import or register is reported with its name and skipped
 (``KVCOMPRESS_STRICT_PLUGINS=1`` makes that fatal); ``KVCOMPRESS_DISABLE_PLUGINS=a,b`` blocks
-plugins by entry-point name. A component or method name claimed by two plugins is an error that
-names both providers.
+plugins by entry-point name (a name no entry point has is warned about); a method that needs a
+disabled plugin's component is listed as unavailable, with why. A component or method name
+claimed by two plugins is an error that names both providers.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import os
 import threading
@@ -87,6 +89,8 @@ class Registry:
         self.pm.add_hookspecs(ComponentSpecs)
         self._dists: dict[str, tuple[str, str]] = {}
         self._infos: list[PluginInfo] = []
+        #: (kind, name) -> the disabled plugin that provides it (kind None for methods)
+        self.disabled_names: dict[tuple[Optional[str], str], str] = {}
         if entry_points:
             self._load_entry_points()
         for name, obj in plugins:
@@ -115,6 +119,7 @@ class Registry:
             if ep.name in self.disabled:
                 self.pm.set_blocked(ep.name)
                 self._infos.append(PluginInfo(ep.name, dist[0], dist[1], "disabled"))
+                self._note_disabled(ep)
                 continue
             try:
                 obj = ep.load()
@@ -122,6 +127,27 @@ class Registry:
                 self._fail(ep.name, dist, "failed to import", exc)
                 continue
             self._register(ep.name, obj, dist)
+        unknown = sorted(self.disabled - {name for name, _ in seen})
+        if unknown:
+            warnings.warn(
+                f"{ENV_DISABLE} names unknown plugin(s) {unknown}; known plugins: "
+                f"{sorted({name for name, _ in seen})}", RuntimeWarning, stacklevel=3,
+            )
+
+    def _note_disabled(self, ep):
+        """Record the names a disabled plugin would provide, read in a side plugin manager."""
+        side = pluggy.PluginManager(PROJECT)
+        side.add_hookspecs(ComponentSpecs)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                side.register(ep.load(), name=ep.name)
+                for hook_name, kind in HOOK_KINDS.items():
+                    for records in getattr(side.hook, hook_name)():
+                        for rec in records or ():
+                            self.disabled_names.setdefault((kind, rec.name), ep.name)
+        except Exception:  # a plugin may be disabled because it is broken: then we know less
+            pass
 
     def _register(self, name: str, obj: Any, dist: tuple[str, str]):
         if self.pm.has_plugin(name):
@@ -194,9 +220,7 @@ class Registry:
             raise ConfigError(f"unknown component kind {kind!r}; valid kinds: {', '.join(KINDS)}")
         table = self.components[kind]
         if name not in table:
-            raise ConfigError(
-                f"unknown {kind} {name!r}; registered {kind}s: {', '.join(sorted(table)) or '(none)'}"
-            )
+            raise ConfigError(self._unknown(kind, name, table))
         return table[name].spec
 
     def method(self, name: str) -> MethodSpec:
@@ -204,11 +228,32 @@ class Registry:
         from .errors import ConfigError
 
         if name not in self.methods:
-            raise ConfigError(
-                f"unknown method {name!r}; registered methods: "
-                f"{', '.join(sorted(self.methods)) or '(none)'}"
-            )
+            raise ConfigError(self._unknown(None, name, self.methods))
         return self.methods[name].spec
+
+    def _unknown(self, kind: Optional[str], name: str, table: dict) -> str:
+        what = kind or "method"
+        plugin = self.disabled_names.get((kind, name))
+        if plugin is not None:
+            return f"{self._disabled_why(kind, name)}; remove {plugin!r} from {ENV_DISABLE} to re-enable it"
+        close = difflib.get_close_matches(str(name), sorted(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        return f"unknown {what} {name!r}{hint} registered {what}s: {', '.join(sorted(table)) or '(none)'}"
+
+    def _disabled_why(self, kind: Optional[str], name: str) -> str:
+        plugin = self.disabled_names[(kind, name)]
+        return f"{kind or 'method'} {name!r} comes from plugin {plugin!r}, which is disabled"
+
+    def unavailable(self, name: str) -> Optional[str]:
+        """Why the registered method ``name`` cannot be built (a missing component), or None."""
+        spec = self.methods[name].spec
+        for kind in KINDS:
+            comp = getattr(spec, kind)
+            if comp not in self.components[kind]:
+                if (kind, comp) in self.disabled_names:
+                    return self._disabled_why(kind, comp)
+                return f"{kind} {comp!r} is not registered"
+        return None
 
     def provider(self, kind: Optional[str], name: str) -> Provided:
         return self.methods[name] if kind is None else self.components[kind][name]

@@ -279,6 +279,20 @@ def test_missing_file_and_bad_values_in_files(tmp_path):
         build_method(cfg)
 
 
+@pytest.mark.parametrize("name", ["binary.toml", "binary.json"])
+def test_a_binary_file_is_a_config_error_naming_it(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=rf"config file '.*{name}' is not UTF-8 text .*binary file"):
+        load_config(path)
+
+
+def test_a_folder_is_a_config_error(tmp_path):
+    (tmp_path / "dir.toml").mkdir()
+    with pytest.raises(ConfigError, match=r"dir\.toml' cannot be read"):
+        load_config(tmp_path / "dir.toml")
+
+
 def test_method_config_is_validated():
     with pytest.raises(ConfigError):
         MethodConfig.from_dict({"method": 3})

@@ -180,10 +180,46 @@ def test_disable_env_blocks_plugins_by_name(monkeypatch):
     assert status["h2o"] == "active"
     assert "cam" not in reg.methods and "gated_merge" not in reg.components["disposition"]
     assert reg.pm.is_blocked("cam")
-    with pytest.raises(kvcompress.ConfigError, match=r"unknown method 'cam'; registered methods: ") as info:
+    with pytest.raises(kvcompress.ConfigError) as info:
         kvcompress.build_method("cam", registry=reg)
-    listed = str(info.value).split("registered methods: ")[1].split(", ")
-    assert "h2o" in listed and "cam" not in listed
+    assert str(info.value) == (
+        "method 'cam' comes from plugin 'cam', which is disabled; "
+        "remove 'cam' from KVCOMPRESS_DISABLE_PLUGINS to re-enable it"
+    )
+
+
+def test_a_method_needing_a_disabled_plugin_is_unavailable_with_why(monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_DISABLE_PLUGINS", "streaming_llm")
+    reg = Registry()
+    why = "scorer 'recency' comes from plugin 'streaming_llm', which is disabled"
+    assert reg.unavailable("kivi") == why
+    assert reg.unavailable("h2o") is None and "streaming_llm" not in reg.methods
+    with pytest.raises(kvcompress.ConfigError) as info:
+        kvcompress.build_method("kivi", registry=reg)
+    assert str(info.value) == why + "; remove 'streaming_llm' from KVCOMPRESS_DISABLE_PLUGINS to re-enable it"
+    # Another scorer makes the method buildable again.
+    assert kvcompress.build_method("kivi", scorer="h2o", registry=reg).config.scorer.name == "h2o"
+
+
+def test_a_misspelt_disabled_plugin_name_is_warned_about(monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_DISABLE_PLUGINS", "streaming-llm")
+    with pytest.warns(RuntimeWarning, match=r"unknown plugin\(s\) \['streaming-llm'\]; known plugins: .*'streaming_llm'"):
+        reg = Registry()
+    assert "streaming_llm" in reg.methods
+
+
+@pytest.mark.parametrize(
+    "kind, typo, meant",
+    [(None, "snapvk", "snapkv"), ("scorer", "h2", "h2o"), ("disposition", "gated-merge", "gated_merge")],
+)
+def test_a_misspelt_name_gets_a_did_you_mean(kind, typo, meant):
+    reg = kvcompress.get_registry()
+    with pytest.raises(kvcompress.ConfigError) as info:
+        reg.method(typo) if kind is None else reg.component(kind, typo)
+    what = kind or "method"
+    assert str(info.value).startswith(f"unknown {what} {typo!r}; did you mean {meant!r}? registered {what}s: ")
+    with pytest.raises(kvcompress.ConfigError, match=r"^unknown method 'zzzz'; registered methods: "):
+        reg.method("zzzz")
 
 
 # ------------------------------------------------------------------------------------------
