@@ -16,7 +16,7 @@ from .components import Budget, ComponentSpec, Disposition, MethodSpec, Scorer, 
 from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Selection
 from .config import ComponentConfig, MethodConfig, load_config
 from .errors import CompositionError, ConfigError, KVCompressError, PluginError
-from .factory import KVCacheBuilder, KVCacheConfig, make_prompt_cache, model_info
+from .factory import KVCacheBuilder, KVCacheConfig, attach, detach, make_prompt_cache, model_info
 from .hookspecs import hookimpl
 from .method import Method, build_method
 from .mlxlm.attention import install, is_installed
@@ -53,7 +53,9 @@ __all__ = [
     "Scorer",
     "Selection",
     "Selector",
+    "attach",
     "build_method",
+    "detach",
     "get_registry",
     "hookimpl",
     "install",

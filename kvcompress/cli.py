@@ -21,7 +21,7 @@ BENCH_WORKLOADS = {
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
-PRELOAD_COMMANDS = ("bench", "generate")
+PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat")
 
 
 def _registry():
@@ -278,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_arguments(p)
     p.set_defaults(func=lambda a: generate.run(a) and 0)
 
+    from .mlxlm.commands import _DESCRIPTIONS
+
+    for name in ("serve", "chat"):  # parsed by kvcompress.mlxlm.commands (mlx-lm's flags pass through)
+        sub.add_parser(name, help=_DESCRIPTIONS[name], add_help=False)
+
     p = sub.add_parser("doctor", help="check MLX, BLAS speed and plugins")
     p.set_defaults(func=cmd_doctor)
     return parser
@@ -289,6 +294,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if argv and argv[0] in PRELOAD_COMMANDS:
         reexec_with_openblas(["-m", "kvcompress", *argv])
+    if argv and argv[0] in ("serve", "chat"):
+        from .mlxlm.commands import main as mlx_main
+
+        return mlx_main(argv[0], argv[1:])
     parser = build_parser()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-")) \
             and not {"-h", "--help"} & set(argv[1:]):

@@ -17,7 +17,7 @@ from .method import Method, build_method
 from .mlxlm.attention import install, install_layer_io
 from .registry import Registry
 
-__all__ = ["make_prompt_cache", "model_info", "default_cache", "KVCacheConfig", "KVCacheBuilder"]
+__all__ = ["make_prompt_cache", "model_info", "default_cache", "attach", "detach", "KVCacheConfig", "KVCacheBuilder"]
 
 
 def _attention_modules(model: nn.Module) -> list:
@@ -161,3 +161,28 @@ class KVCacheBuilder:
                 f"KVCacheConfig.head_dim={config.head_dim} but the model's head_dim is {info.head_dim}"
             )
         return make_prompt_cache(model, config.build(registry), registry=registry)
+
+
+def attach(model: nn.Module, method: Union[str, MethodConfig, Method, dict, None] = "cam", **kwargs: Any) -> Method:
+    """Make ``model.make_cache()`` return compressed caches, so every mlx-lm entry point that
+    builds its own caches (``mlx_lm.models.cache.make_prompt_cache``, ``BatchGenerator``,
+    ``batch_generate``, the server, chat) compresses them. Takes the same arguments as
+    :func:`make_prompt_cache`; returns the built method. :func:`detach` undoes it."""
+    registry = kwargs.pop("registry", None)
+    config = kwargs.pop("config", None)
+    if config is not None:
+        method = config if isinstance(config, MethodConfig) else load_config(config)
+    m = method if isinstance(method, Method) else build_method(method, registry=registry, **kwargs)
+    make_prompt_cache(model, m)  # validate against this model now, not at the first request
+
+    def make_cache() -> list:
+        return make_prompt_cache(model, m)
+
+    model.make_cache = make_cache
+    return m
+
+
+def detach(model: nn.Module) -> None:
+    """Give ``model`` its own ``make_cache`` back (see :func:`attach`)."""
+    if "make_cache" in vars(model):
+        del vars(model)["make_cache"]

@@ -58,9 +58,8 @@ def _param(text: str) -> tuple[str, Any]:
         return name.strip(), raw
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local mlx-lm model folder or Hugging Face id")
-    p.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text ('-' reads stdin)")
+def add_method_arguments(p: argparse.ArgumentParser) -> None:
+    """``--method/--budget/--config/--param``: the compression, as every command takes it."""
     p.add_argument("--method", default=None, help="a registered method (default cam; see kvcompress methods)")
     p.add_argument("--budget", type=positive_int, default=None,
                    help="the method's budget parameter: tokens kept per layer, or the mean over "
@@ -68,6 +67,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML/JSON method config (instead of --method)")
     p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="extra method parameter, e.g. --param n_sink=4 (repeatable)")
+
+
+def method_from_args(args):
+    """The method ``--method/--budget/--config/--param`` describe (ConfigError if they cannot)."""
+    from .config import load_config
+    from .errors import ConfigError
+    from .method import build_method
+
+    if args.config and args.method:
+        raise ConfigError("give either --method or --config, not both")
+    params = dict(args.param)
+    if args.budget is not None:
+        params["budget"] = args.budget
+    return build_method(load_config(args.config) if args.config else (args.method or "cam"), **params)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local mlx-lm model folder or Hugging Face id")
+    p.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text ('-' reads stdin)")
+    add_method_arguments(p)
     p.add_argument("--max-tokens", "-m", type=positive_int, default=256, help="tokens to generate (>= 1)")
     p.add_argument("--temp", type=_float_in(0.0, float("inf")), default=0.0, help="sampling temperature (>= 0)")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus, in (0, 1]")
@@ -83,9 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args):
     """Check the options before the model loads; returns the method to build (None with a file)."""
-    from .config import load_config
     from .errors import ConfigError
-    from .method import build_method
 
     if args.prompt_cache_file is not None:
         given = [f"--{o}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
@@ -104,13 +121,7 @@ def check_args(args):
             args.save_prompt_cache = str(out) + ".safetensors"
     if args.prompt_cache_file is not None:
         return None
-    if args.config and args.method:
-        raise ConfigError("give either --method or --config, not both")
-    params = dict(args.param)
-    if args.budget is not None:
-        params["budget"] = args.budget
-    method = load_config(args.config) if args.config else (args.method or "cam")
-    return build_method(method, **params)
+    return method_from_args(args)
 
 
 def load_model(name: str):

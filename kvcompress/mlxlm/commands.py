@@ -1,0 +1,116 @@
+"""``kvcompress serve`` and ``kvcompress chat``: mlx-lm's server and chat with compressed caches.
+
+Both take the compression as ``--method NAME [--budget N] [--param K=V ...]`` or ``--config FILE``
+and pass every other flag to mlx-lm unchanged (``kvcompress serve --help`` lists both). The
+method is built, and the installed mlx-lm checked, before anything starts; ``serve`` also loads
+its ``--model`` up front so a bad model or a budget the model cannot hold is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..errors import ConfigError, KVCompressError
+
+__all__ = ["main"]
+
+_DESCRIPTIONS = {
+    "serve": "mlx-lm's OpenAI-compatible server (mlx_lm.server) with every KV cache compressed",
+    "chat": "mlx-lm's terminal chat (mlx_lm.chat) with a compressed KV cache kept across turns",
+}
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"kvcompress {command}", description=_DESCRIPTIONS[command], add_help=False,
+        epilog=f"Every other option is mlx_lm.{'server' if command == 'serve' else 'chat'}'s (listed below).",
+    )
+    p.add_argument("-h", "--help", action="store_true", help="show this help and mlx-lm's options")
+    from ..generate import add_method_arguments
+
+    add_method_arguments(p)
+    return p
+
+
+def _mlx_help(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    old = sys.argv
+    sys.argv = [module, "--help"]
+    try:
+        mod.main()
+    except SystemExit:
+        pass
+    finally:
+        sys.argv = old
+
+
+def main(command: str, argv: Sequence[str]) -> int:
+    """Run ``kvcompress serve|chat`` with ``argv``; returns the exit code."""
+    from .server import check_mlx_lm
+
+    parser = _parser(command)
+    try:
+        args, rest = parser.parse_known_args(list(argv))
+    except SystemExit as exc:  # argparse printed its one-line error
+        return int(exc.code or 0)
+    module = "mlx_lm.server" if command == "serve" else "mlx_lm.chat"
+    if args.help:
+        parser.print_help()
+        print(f"\n--- {module} options ---")
+        _mlx_help(module)
+        return 0
+    prog = f"kvcompress {command}"
+    try:
+        if any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+            raise ConfigError(
+                "--kv-bits quantizes a full cache and cannot be combined with a kvcompress cache; "
+                "drop it, or quantize what leaves the budget with --method kivi / h2o_kivi"
+            )
+        names = ("ModelProvider", "LRUPromptCache", "main") if command == "serve" else ("load", "main")
+        check_mlx_lm(module, names)
+        from ..generate import method_from_args
+
+        method = method_from_args(args)
+        if command == "serve":
+            from .server import run_server
+
+            return run_server(method, rest)
+        return _run_chat(method, rest)
+    except KVCompressError as exc:
+        print(f"{prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _run_chat(method, argv: Sequence[str]) -> int:
+    """mlx_lm.chat with its ``load``/``sharded_load`` followed by :func:`kvcompress.attach`."""
+    import mlx_lm.chat as chat
+
+    from ..factory import attach
+
+    def attached(loader):
+        def load(*args, **kwargs):
+            model, tokenizer = loader(*args, **kwargs)[:2]
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise KVCompressError(
+                    "the model's tokenizer has no chat template, which chat needs (as mlx_lm.chat "
+                    "does); use kvcompress generate, or pass a model with a chat template"
+                )
+            attach(model, method)
+            return model, tokenizer
+
+        return load
+
+    saved = chat.load, chat.sharded_load
+    chat.load, chat.sharded_load = attached(chat.load), attached(chat.sharded_load)
+    old = sys.argv
+    sys.argv = ["kvcompress chat", *argv]
+    try:
+        chat.main()
+    finally:
+        sys.argv = old
+        chat.load, chat.sharded_load = saved
+    return 0
