@@ -66,6 +66,7 @@ class _Engine(_BaseCache):
         self._last_valid: list = []
         self._last_slots = None
         self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
+        self._off_cache: tuple = (None, None)
 
     # ----------------------------------------------------------------------------------------
     # Budget and rows
@@ -100,7 +101,25 @@ class _Engine(_BaseCache):
         return any(n != self._n for n in self._rows_n)
 
     def _arr(self, values: list) -> mx.array:
-        return mx.array(values, dtype=mx.int32).reshape(-1, 1, 1)
+        """``[B, 1, 1]`` int32 of per-row host values (a 0-d array when every row agrees)."""
+        if len(values) > 1 and values.count(values[0]) != len(values):
+            return mx.array(values, dtype=mx.int32).reshape(-1, 1, 1)
+        return mx.array(values[0] if values else 0, dtype=mx.int32)
+
+    def _offset(self) -> mx.array:
+        """The offsets as an array, built once per value of the host offsets."""
+        key = tuple(self._rows_off)
+        if self._off_cache[0] != key:
+            self._off_cache = (key, self._arr(self._rows_off))
+        return self._off_cache[1]
+
+    def _qpos(self, S: int) -> mx.array:
+        """``[B, 1, S]`` int32 positions of the last step's tokens."""
+        if S == 1:
+            return (self._offset() - 1).reshape(-1, 1, 1) if len(set(self._rows_off)) > 1 else mx.full(
+                (len(self._rows_off), 1, 1), self._rows_off[0] - 1, mx.int32)
+        start = mx.array([o - S for o in self._rows_off], dtype=mx.int32).reshape(-1, 1, 1)
+        return start + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
 
     # ----------------------------------------------------------------------------------------
     # update_and_fetch
@@ -123,15 +142,16 @@ class _Engine(_BaseCache):
             for n, v, bud in zip(self._rows_n, valid, self._rows_budget)
         ]
         freed = self._evict(need) if any(need) else None
-        qpos = self._arr(self._rows_off).reshape(-1, 1, 1) + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
         if S == 1 and all(n < self._n for n in self._rows_n) and self._n <= max(self._rows_n) + 1:
             self._write_into_holes(keys, values, freed, valid)
         else:
+            if freed is not None:
+                self._mark_freed(*freed)
             if self._holes():
                 self._compact()
             self._append(keys, values, valid)
         self._rows_off = [o + S for o in self._rows_off]
-        self._pending = (S, valid, qpos)
+        self._pending = (S, valid, None)
         self._last_valid = valid
         self._undo = None
         v = self.keys_and_values()[1]
@@ -141,7 +161,7 @@ class _Engine(_BaseCache):
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
         view = self._hooks["disposition"].get("view_keys")
-        return k if view is None else view(self._states["disposition"], k, self._pos, self._arr(self._rows_off))
+        return k if view is None else view(self._states["disposition"], k, self._pos, self._offset())
 
     def _take_valid(self, S: int) -> list:
         if self._new_valid is None:
@@ -162,7 +182,7 @@ class _Engine(_BaseCache):
         counts = [int(count(e)) if count and e else e for e in need]
         uniform = len(set(counts)) == 1
         k, v = self.keys_and_values()
-        off, offs, bud = self._arr(self._rows_off), tuple(self._rows_off), self._budget_arg()
+        off, offs, bud = self._offset(), tuple(self._rows_off), self._budget_arg()
         sel_c = self.method.selector
         protected = sel_c.protected(self._pos, off, bud)
         if self._holes():
@@ -184,20 +204,25 @@ class _Engine(_BaseCache):
         k, v, self._score = self.method.disposition.dispose(ev)
         self._states["disposition"] = ev.state
         self.keys, self.values = k, v
-        gone = mx.full(slots.shape, -1, mx.int32)
-        if real is not None:
-            gone = mx.where(real, gone, mx.take_along_axis(self._pos, slots, axis=-1))
-        self._pos = mx.put_along_axis(self._pos, slots, gone, axis=-1)
         self._rounds += 1
         self._rows_n = [n - c for n, c in zip(self._rows_n, counts)]
         self._rows_evicted = [t + c for t, c in zip(self._rows_evicted, counts)]
         return (slots, real)
 
+    def _mark_freed(self, slots: mx.array, real) -> None:
+        """Freed slots become empty (position -1)."""
+        gone = mx.full(slots.shape, -1, mx.int32)
+        if real is not None:
+            gone = mx.where(real, gone, mx.take_along_axis(self._pos, slots, axis=-1))
+        self._pos = mx.put_along_axis(self._pos, slots, gone, axis=-1)
+
     def _write_into_holes(self, keys, values, freed, valid) -> None:
         b, h = keys.shape[:2]
         if freed is not None and freed[1] is None and freed[0].shape[-1] == 1:
-            slot = freed[0]  # the slot each (row, head) just freed
+            slot = freed[0]  # the slot each (row, head) just freed: the token goes there
         else:
+            if freed is not None:
+                self._mark_freed(*freed)
             slot = mx.argmax(self._pos < 0, axis=-1, keepdims=True).astype(mx.int32)
         idx = slot[..., None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, (b, h, 1, keys.shape[-1])), keys, axis=2)
@@ -209,9 +234,14 @@ class _Engine(_BaseCache):
         self._last_slots = slot
 
     def _new_positions(self, valid: list, S: int, b: int, h: int) -> mx.array:
-        pos = self._arr(self._rows_off) + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
+        """Positions of a step's tokens before the offsets advance (-1 for padding)."""
+        if S == 1 and all(x == 1 for x in valid) and min(self._rows_off) >= 0:
+            if len(set(self._rows_off)) == 1:
+                return mx.full((b, h, 1), self._rows_off[0], mx.int32)
+            return mx.broadcast_to(mx.array(self._rows_off, dtype=mx.int32).reshape(-1, 1, 1), (b, h, 1))
+        pos = mx.array(self._rows_off, dtype=mx.int32).reshape(-1, 1, 1) + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
         if any(x < S for x in valid) or any(o < 0 for o in self._rows_off):
-            ok = (mx.arange(S).reshape(1, 1, S) < self._arr(valid)) & (pos >= 0)
+            ok = (mx.arange(S).reshape(1, 1, S) < mx.array(valid, dtype=mx.int32).reshape(-1, 1, 1)) & (pos >= 0)
             pos = mx.where(ok, pos, -1)
         return mx.broadcast_to(pos, (b, h, S))
 
@@ -265,7 +295,7 @@ class _Engine(_BaseCache):
         if n == 1:
             return (self._pos >= 0)[:, :, None, :]  # per KV head
         # after compaction every row's empty slots are the same in every head
-        return ops.visibility(self._pos[:, :1], self._pending[2])
+        return ops.visibility(self._pos[:, :1], self._qpos(n))
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """The layer's attention; ``mask`` (the model's) is replaced by the exact slot mask."""
@@ -279,9 +309,9 @@ class _Engine(_BaseCache):
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
         if n > 1 and sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
             # A compressing chunk: one softmax gives both the output and the scorer's mass.
-            _, valid, qpos = self._pending
+            _, valid, _ = self._pending
             out, self._step_mass = ops.attention(
-                queries, keys, values, scale, self._pos, qpos,
+                queries, keys, values, scale, self._pos, self._qpos(n),
                 query_weight=self._query_weight(valid, n), mass="group",
             )
             return out
@@ -293,7 +323,7 @@ class _Engine(_BaseCache):
     def _query_weight(self, valid: list, n: int):
         if all(x == n for x in valid):
             return None
-        return (mx.arange(n).reshape(1, 1, n) < self._arr(valid)).astype(mx.float32)
+        return (mx.arange(n).reshape(1, 1, n) < mx.array(valid, dtype=mx.int32).reshape(-1, 1, 1)).astype(mx.float32)
 
     def observe(self, queries: mx.array, scale: float) -> None:
         """Update scores from the real queries of the step that was just attended."""
@@ -333,19 +363,23 @@ class _Engine(_BaseCache):
 
     def _score_step(self, queries, scale, proxy) -> None:
         S, valid, qpos = self._pending
+        if qpos is None:
+            qpos = self._qpos(S)
         k = self._attended if self._attended is not None else self._viewed_keys()
         self._attended = None
         mass, self._step_mass = self._step_mass, None
         before = (self._score, self._states["scorer"])
         obs = Observation(
             queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
-            offset=self._arr(self._rows_off), offsets=tuple(self._rows_off), layer=self.info,
+            offset=self._offset(), offsets=tuple(self._rows_off), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
+            all_visible=S == 1 and not self._holes(),
             state=_state.snapshot(self._states["scorer"]), group=self.group,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)
-        self._score = self.method.scorer.observe(self._score, obs).astype(mx.float32)
+        score = self.method.scorer.observe(self._score, obs)
+        self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         self._pending = None
         keep_q = S <= UNDO_TOKENS and not proxy
@@ -400,7 +434,7 @@ class _Engine(_BaseCache):
         self._states["scorer"] = sstate
         self._undo = None
         if keep:
-            self._pending = (keep, [keep] * len(self._rows_n), qpos[..., :keep])
+            self._pending = (keep, [keep] * len(self._rows_n), None)
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
         return n
 

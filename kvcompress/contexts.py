@@ -78,6 +78,8 @@ class Observation:
     n_valid: tuple = ()
     query_weight: Optional[mx.array] = None
     proxy: bool = False
+    #: every stored slot is visible to every query (a single token, no empty slot): no mask needed
+    all_visible: bool = False
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
@@ -95,8 +97,8 @@ class Observation:
         key = None if last is None or last >= self.n_new else last
         if key not in self._cache:
             self._cache[key] = attention_mass(
-                self.queries, self.keys, self.scale, self.positions, self.query_positions,
-                query_weight=self.query_weight, last=last,
+                self.queries, self.keys, self.scale, None if self.all_visible else self.positions,
+                self.query_positions, query_weight=self.query_weight, last=last,
             )
         return self._cache[key]
 

@@ -52,6 +52,10 @@ class ExtraKeys:
     output: Callable[[mx.array], mx.array]
 
 
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
 def _split_groups(queries: mx.array, h_kv: int) -> int:
     h_q = queries.shape[1]
     if h_q % h_kv:
@@ -77,7 +81,8 @@ def attention(
     """Masked float32 attention of ``queries`` over the stored slots (plus ``extra``).
 
     queries ``[B, H_q, N, D]`` at ``query_positions`` ``[B, 1, N]``; keys/values
-    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`).
+    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`;
+    ``key_positions=None``: every key is visible to every query).
     ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
     (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
@@ -88,18 +93,22 @@ def attention(
     h_kv, t = keys.shape[1], keys.shape[2]
     g = _split_groups(queries, h_kv)
     start = 0 if last is None else max(n - last, 0)
-    q = queries.astype(mx.float32).reshape(b, h_kv, g, n, d) * scale
-    kt = mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
-    v = None if values is None else mx.expand_dims(values.astype(mx.float32), 2)
-    qpos = mx.broadcast_to(query_positions, (query_positions.shape[0], 1, n)) if query_positions.ndim == 3 \
-        else mx.broadcast_to(query_positions.reshape(1, 1, n), (1, 1, n))
+    q = _f32(queries).reshape(b, h_kv, g, n, d) * scale
+    kt = mx.expand_dims(_f32(keys), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
+    v = None if values is None else mx.expand_dims(_f32(values), 2)
+    qpos = None
+    if key_positions is not None:
+        qpos = query_positions if query_positions.ndim == 3 else query_positions.reshape(1, 1, n)
     outs, total = [], None
     for i0 in range(start, n, block):
         i1 = min(i0 + block, n)
         qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
         parts = [e.logits(qb) for e in extra]
-        vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]
-        parts.append(mx.where(vis, qb @ kt, NEG))
+        logits = qb @ kt
+        if qpos is not None:
+            vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]
+            logits = mx.where(vis, logits, NEG)
+        parts.append(logits)
         if sinks is not None:
             sink = sinks.astype(mx.float32).reshape(1, h_kv, g, 1, 1)
             parts.append(mx.broadcast_to(sink, (b, h_kv, g, i1 - i0, 1)))
@@ -116,7 +125,7 @@ def attention(
             outs.append(out)
         if mass is not None:
             wm = ws if query_weight is None else ws * query_weight[:, :, None, i0:i1, None].astype(mx.float32)
-            s = wm.sum(axis=-2)  # [B, H_kv, G, T]
+            s = wm[..., 0, :] if wm.shape[-2] == 1 else wm.sum(axis=-2)  # [B, H_kv, G, T]
             total = s if total is None else total + s
     out = None
     if v is not None:
@@ -126,7 +135,7 @@ def attention(
         if total is None:
             total = mx.zeros((b, h_kv, g, t), mx.float32)
         if mass == "group":
-            total = total.sum(axis=2) / g if g > 1 else total[:, :, 0]
+            total = total.mean(axis=2) if g > 1 else total[:, :, 0]
         elif mass != "heads":
             raise ValueError(f"mass must be None, 'group' or 'heads', got {mass!r}")
     return out, total

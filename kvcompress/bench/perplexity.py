@@ -70,6 +70,7 @@ DEFAULTS: dict[str, Any] = {
     #: best equal-memory result at 8x here (docs/bench_models.md)
     "extra": (("snapkv", {"interval": 1}),),
     "seed": 0,
+    "step_tokens": 1,
     "out": DEFAULT_OUT,  # the folder --out names; recorded with the results
 }
 
@@ -112,7 +113,7 @@ def _resolve_text(text: Optional[str]) -> Path:
 def check_settings(s: dict) -> None:
     """Raise ``ValueError`` for impossible settings (before anything is loaded or run)."""
     check_minimums(s, {"windows": 1, "window": 3, "prefill": 1, "budgets": 1, "batch": 1, "n_sink": 0,
-                                "seed": 0})
+                                "seed": 0, "step_tokens": 1})
     if not s["prefill"] < s["window"] - 1:
         raise ValueError(f"prefill must be in [1, window - 2] = [1, {s['window'] - 2}] so that some "
                          f"tokens are decoded, got {s['prefill']}")
@@ -137,22 +138,25 @@ def prepare_windows(tokenizer, text: str, window: int = 512, n: Optional[int] = 
     return np.concatenate([np.full((count, 1), bos, dtype=np.int32), body], axis=1)
 
 
-def window_nll(model, windows: np.ndarray, cache, prefill: int) -> np.ndarray:
-    """``[B, W - 1 - prefill]`` float32 NLL of each decoded prediction (teacher-forced)."""
+def window_nll(model, windows: np.ndarray, cache, prefill: int, step: int = 1) -> np.ndarray:
+    """``[B, W - 1 - prefill]`` float32 NLL of each decoded prediction (teacher-forced), the
+    cache fed ``step`` tokens per forward (``step > 1``: as speculative decoding's verification
+    steps feed it when every draft token is accepted)."""
     B, W = windows.shape
     if not 0 < prefill < W - 1:
         raise ValueError(f"prefill must be in [1, {W - 2}], got {prefill}")
     x = mx.array(windows)
     mx.eval(model(x[:, :prefill], cache=cache))
     out = []
-    for t in range(prefill, W - 1):
-        logits = model(x[:, t : t + 1], cache=cache)[:, -1, :].astype(mx.float32)
+    for t in range(prefill, W - 1, step):
+        k = min(step, W - 1 - t)
+        logits = model(x[:, t : t + k], cache=cache).astype(mx.float32)
         lse = mx.logsumexp(logits, axis=-1)
-        tgt = mx.take_along_axis(logits, x[:, t + 1 : t + 2], axis=-1)[:, 0]
+        tgt = mx.take_along_axis(logits, x[:, t + 1 : t + 1 + k, None], axis=-1)[..., 0]
         nll = lse - tgt
         mx.async_eval(nll)
         out.append(nll)
-    return np.array(mx.stack(out, axis=1))
+    return np.array(mx.concatenate(out, axis=1))
 
 
 def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=None, registry=None,
@@ -190,7 +194,7 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
         for wb in batches:
             cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
                                registry=reg)
-            nlls.append(window_nll(model, wb, cache, s["prefill"]))
+            nlls.append(window_nll(model, wb, cache, s["prefill"], s["step_tokens"]))
         kept = float(np.mean([c.size() for c in cache]))
         return np.concatenate(nlls, axis=0), kept, live_kv_bytes(cache) / len(batches[-1])
 
@@ -328,6 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
+    parser.add_argument("--step-tokens", type=int,
+                        help="decode tokens per forward, as speculative decoding verifies drafts (default 1)")
     add_output_arguments(parser, "perplexity.json/.png")
 
 
