@@ -21,6 +21,7 @@ import json
 import warnings
 from typing import Any, Optional
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
@@ -49,6 +50,11 @@ class _Engine(_BaseCache):
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires
+        # scores that must agree across tensor-parallel ranks: a decision over all heads of the
+        # layer ("head_shared"), or KV heads every rank holds while their queries are split (MLA)
+        self._head_shared = "head_shared" in method.scorer.provides
+        self._reduce = self.info.tp_size > 1 and (self.info.kv_replicated or self._head_shared)
+        self._unreduced = False
         self.keys = self.values = self._pos = self._score = None
         self._n = 0  # stored width T
         self._rows_n: list[int] = []  # tokens held per row
@@ -130,6 +136,10 @@ class _Engine(_BaseCache):
         self._check_input(keys, values)
         if self._pending is not None:
             self._unobserved_step()
+        if self._unreduced:
+            self.group.reduce_scores()
+        if self.group.rebudget_pending:
+            self.group.rebudget()
         if self.keys is None and not self._rows_n:
             from .mlxlm.attention import ensure_wrapped
 
@@ -157,6 +167,16 @@ class _Engine(_BaseCache):
         v = self.keys_and_values()[1]
         k = self._attended = self._viewed_keys()
         return k, v
+
+    def reduction(self) -> mx.array:
+        """This rank's part of the cross-rank score agreement: the scores (one head's row when
+        every head shares them)."""
+        return self._score[:, :1] if self._head_shared and not self.info.kv_replicated else self._score
+
+    def set_reduced(self, value: mx.array) -> None:
+        """The agreed scores (the mean over ranks of :meth:`reduction`)."""
+        self._score = mx.broadcast_to(value, self._score.shape) if value.shape != self._score.shape else value
+        self._unreduced = False
 
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
@@ -382,6 +402,7 @@ class _Engine(_BaseCache):
         self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         self._pending = None
+        self._unreduced = self._reduce
         keep_q = S <= UNDO_TOKENS and not proxy
         self._undo = (S, valid, qpos, before, queries if keep_q else None, scale)
 
@@ -480,18 +501,11 @@ class _Engine(_BaseCache):
         if any(v != n for v in self._last_valid):
             weight = (mx.arange(n).reshape(1, n) < mx.array(self._last_valid).reshape(-1, 1)).astype(mx.float32)
         self._states["budget"] = self._hooks["budget"]["observe_layer"](self._states["budget"], x, out, weight)
-        members = self.group.caches()
-        rebudget = self._hooks["budget"].get("rebudget")
-        if rebudget is None or not all(c._io_seen for c in members):
-            return
-        sel = self.method.selector
-        min_b = 1
-        while sel.reserved(min_b) >= min_b:
-            min_b += 1
-        budgets = rebudget([c._states["budget"] for c in members], [c._rows_budget for c in members], min_b)
-        if budgets is not None:
-            for c, b in zip(members, budgets):
-                c._set_budgets(list(b))
+        if "rebudget" in self._hooks["budget"] and all(c._io_seen for c in self.group.caches()):
+            if self.info.pp_size > 1:
+                self.group.rebudget_pending = True  # agreed across ranks at the next step's start
+            else:
+                self.group.rebudget()
 
     # ----------------------------------------------------------------------------------------
     # State (mlx-lm protocol) and diagnostics
@@ -507,8 +521,7 @@ class _Engine(_BaseCache):
         return {
             "version": _STATE_VERSION,
             "config": self.method.config.to_dict(),
-            "info": {"layer": self.info.layer, "n_layers": self.info.n_layers, "head_offset": self.info.head_offset,
-                     "n_kv_heads": self.info.n_kv_heads, "model_type": self.info.model_type},
+            "info": attrs.asdict(self.info),
             "budget": self._b_default,
             "group": self.group.id,
             "n": self._n,
@@ -519,6 +532,7 @@ class _Engine(_BaseCache):
             "rounds": self._rounds,
             "query_steps": self._query_steps,
             "proxy_steps": self._proxy_steps,
+            "unreduced": self._unreduced,
             "components": comp,
             "n_component_arrays": n_arrays,
         }, arrays
@@ -557,6 +571,7 @@ class _Engine(_BaseCache):
         self._rows_budget, self._rows_evicted = list(m["rows_budget"]), list(m["rows_evicted"])
         self._rounds = int(m["rounds"])
         self._query_steps, self._proxy_steps = int(m["query_steps"]), int(m["proxy_steps"])
+        self._unreduced = bool(m.get("unreduced", False)) and self._reduce
         self._pending = self._undo = None
 
     @property

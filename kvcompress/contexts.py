@@ -44,6 +44,12 @@ class LayerInfo:
     model_type: str = ""
     #: index of the layer's block in this process's ``model.layers`` (local, for binding)
     block: Optional[int] = None
+    #: ranks of the tensor-parallel group (1: not sharded by heads)
+    tp_size: int = 1
+    #: the KV heads are the same on every rank (MLA's latent cache) while query heads are split
+    kv_replicated: bool = False
+    #: ranks of the pipeline (1: this process runs every layer)
+    pp_size: int = 1
 
     def head_ids(self, h: int) -> mx.array:
         """Global KV-head indices ``[1, h, 1]`` uint32 of a cache holding ``h`` heads."""

@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .group import new_group
 from .method import Method, build_method
 from .mlxlm.attention import install, install_layer_io
+from .mlxlm.distributed import topology
 from .registry import Registry
 
 __all__ = ["make_prompt_cache", "model_info", "default_cache", "attach", "detach", "KVCacheConfig", "KVCacheBuilder"]
@@ -94,22 +95,30 @@ def make_prompt_cache(
             f"{type(model).__name__} masks its full-attention layers with a sliding window; "
             "kvcompress caches do not support sliding-window attention"
         )
-    info = model_info(model, n_layers=len(slots))
+    topo = topology(model)  # under pipeline parallelism model.layers is this rank's layers
+    n_total = topo.n_layers or len(slots)
+    info = model_info(model, n_layers=n_total)
+    if topo.kv_heads:
+        info = ModelInfo(n_total, topo.kv_heads, info.head_dim, info.model_type)
     budgets = m.budget.layer_budgets(info)
-    if len(budgets) != len(slots):
+    if len(budgets) != n_total:
         raise ConfigError(
-            f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {len(slots)} layers"
+            f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {n_total} layers"
         )
+    blocks = slots
     install(model)
     if "layer_io" in m.budget.requires:
-        install_layer_io(model, slots)
+        install_layer_io(model, blocks)
     caches = list(default)
     group = new_group()
-    for layer, (i, b) in enumerate(zip(slots, budgets)):
+    for j, (i, block) in enumerate(zip(slots, blocks)):
+        layer = topo.layer_offset + j
         li = LayerInfo(
-            layer=layer, n_layers=len(slots), n_kv_heads=info.n_kv_heads, model_type=info.model_type, block=i
+            layer=layer, n_layers=n_total, head_offset=topo.head_offset, n_kv_heads=info.n_kv_heads,
+            model_type=info.model_type, block=block, tp_size=topo.tp_size, kv_replicated=topo.kv_replicated,
+            pp_size=topo.pp_size,
         )
-        caches[i] = CompressedKVCache(m, int(b), info=li, group=group)
+        caches[i] = CompressedKVCache(m, int(budgets[layer]), info=li, group=group)
     compressed = [caches[i] for i in slots]
     for kind, hooks in m.hooks().items():
         if "bind" in hooks:

@@ -27,6 +27,8 @@ class PromptGroup:
     id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     members: dict = attrs.field(factory=dict, repr=False)  # layer index -> cache
     scratch: dict = attrs.field(factory=dict, repr=False)  # per-step cross-layer data, never saved
+    #: every layer observed the prompt, and the ranks of a pipeline still have to agree budgets
+    rebudget_pending: bool = False
 
     def add(self, layer: int, cache) -> None:
         self.members[layer] = cache
@@ -34,6 +36,47 @@ class PromptGroup:
     def caches(self) -> list:
         """Member caches ordered by layer."""
         return [self.members[k] for k in sorted(self.members) if self.members[k] is not None]
+
+    def reduce_scores(self) -> None:
+        """Agree the scores of every member that needs it across the tensor-parallel ranks, in
+        one collective: the mean over ranks of each cache's pending scores (see
+        :meth:`_Engine.reduction`). Scores of step ``t`` are agreed at the start of step ``t + 1``,
+        before any layer evicts with them, so one ``all_sum`` per step serves every layer."""
+        import mlx.core as mx
+
+        from .mlxlm.distributed import world
+
+        pending = [c for c in self.caches() if c._unreduced]
+        if not pending:
+            return
+        parts = [c.reduction() for c in pending]
+        flat = mx.concatenate([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+        total = mx.distributed.all_sum(flat, group=world()) / pending[0].info.tp_size
+        i = 0
+        for c, p in zip(pending, parts):
+            c.set_reduced(total[i : i + p.size].reshape(p.shape))
+            i += p.size
+
+    def rebudget(self) -> None:
+        """New per-layer, per-row budgets from the budget component's ``rebudget`` hook, given
+        every layer's state -- gathered across the ranks of a pipeline, so each rank takes its
+        part of budgets computed for the whole model."""
+        self.rebudget_pending = False
+        members = self.caches()
+        first = members[0]
+        sel = first.method.selector
+        min_b = 1
+        while sel.reserved(min_b) >= min_b:
+            min_b += 1
+        if first.info.pp_size > 1:
+            states = _gather_states(members, "budget")
+        else:
+            states = [c._states["budget"] for c in members]
+        current = [list(first._rows_budget)] * len(states)
+        budgets = first._hooks["budget"]["rebudget"](states, current, min_b)
+        if budgets is not None:  # one entry per layer of ``states``: all layers, or these members
+            for i, c in enumerate(members):
+                c._set_budgets(list(budgets[c.info.layer if first.info.pp_size > 1 else i]))
 
     def __deepcopy__(self, memo):
         import copy
@@ -72,3 +115,36 @@ def join(key: str, layer: int, group_id: Optional[str] = None) -> PromptGroup:
             _OPEN[key] = group
         group.members.setdefault(layer, None)  # reserve the layer; the cache adds itself
         return group
+
+
+def _gather_states(members: list, kind: str) -> list:
+    """Every layer's ``kind`` state of the whole model (pipeline ranks each hold some layers):
+    each rank writes its layers' state arrays into a zero table of all layers, one ``all_sum``
+    fills it. Layers' states must share one structure (they come from one component)."""
+    import mlx.core as mx
+
+    from ._state import flatten_state, restore_state
+    from .mlxlm.distributed import world
+
+    first = members[0]
+    comp = first.method.component(kind)
+    meta, arrays = flatten_state(first._states[kind])
+    shapes = [(a.shape, a.dtype) for a in arrays]
+    width = sum(a.size for a in arrays)
+    table = mx.zeros((first.info.n_layers, width), mx.float32)
+    for c in members:
+        _, arrs = flatten_state(c._states[kind])
+        row = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrs])
+        table[c.info.layer] = row
+    table = mx.distributed.all_sum(table, group=world())
+    out = []
+    for layer in range(first.info.n_layers):
+        parts, i = [], 0
+        for shape, dtype in shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            parts.append(table[layer, i : i + n].reshape(shape).astype(dtype))
+            i += n
+        out.append(restore_state(comp, meta, parts))
+    return out
