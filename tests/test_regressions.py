@@ -750,6 +750,26 @@ def test_batch_generate_rows_equal_their_solo_runs(model, method):
     assert r.token_ids == solo
 
 
+@pytest.mark.parametrize("target", ["nearest", "window"])
+def test_cam_batch_rows_merge_into_the_same_targets_as_alone(model, target):
+    """Bug (found by these tests, fixed in plugins/kvcompress_cam/merge.py): in a batch whose rows
+    free different numbers of slots, CaM excluded every entry of ``ev.evict`` from the merge
+    targets -- also the entries a row does not free (``ev.real`` False) -- so a row merged into
+    other survivors than it would alone (its logits and ``batch_generate`` tokens differed)."""
+    kw = dict(target=target, merge_window=4, merge_gate=False)
+    solos = []
+    for i, n in enumerate(PROMPT_LENGTHS):  # rows free 9, 22 and 0 slots at the next step
+        c = caches_for(model, "cam", 12, **kw)
+        model(mx.array([prompt_tokens(n, salt=i)]), cache=c)
+        solos.append(c)
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*copy.deepcopy(solos))]
+    got = _feed(model, batch, [[3], [4], [5]])
+    for j, (t, solo) in enumerate(zip((3, 4, 5), solos)):
+        np.testing.assert_allclose(got[j], _feed(model, solo, [[t]])[0], atol=2e-4, rtol=0)
+    assert [s[0].diagnostics["merges"] for s in solos] == batch[0].diagnostics["merges"]
+    assert batch[0].diagnostics["merges"][1] > 0
+
+
 def _feed(model, caches, tokens):
     return np.array(model(mx.array(tokens), cache=caches)[:, -1].astype(mx.float32))
 
