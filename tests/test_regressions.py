@@ -6,6 +6,7 @@ these tests found afterwards. Each test's docstring names the bug it catches.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 import json
@@ -13,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import types
 import warnings
 import weakref
@@ -98,6 +98,7 @@ def assert_same_snapshot(a, b) -> None:
             np.testing.assert_array_equal(x, y)
 
 
+@functools.lru_cache(maxsize=None)
 def batchable(method: str) -> bool:
     """Whether the method's caches batch rows that free different numbers of slots in one step
     (kivi's disposition could not when these tests were written; it is being fixed)."""
@@ -220,7 +221,7 @@ def test_chunkkv_index_reuse_survives_save_and_load(model, tmp_path):
         for x, y in zip(caches, loaded):
             np.testing.assert_array_equal(held(x), held(y))
         np.testing.assert_array_equal(held(loaded[0]), held(loaded[1]), err_msg="layer 1 no longer reuses layer 0")
-    assert loaded[0].evictions > caches[0].evictions - 1 > 0
+    assert loaded[0].evictions == caches[0].evictions > 0
 
 
 # ------------------------------------------------------------------------------------------
