@@ -36,6 +36,12 @@ UNDO_TOKENS = 16
 _proxy_warned = False
 
 
+def _ensure_wrapped() -> None:
+    from .mlxlm.attention import ensure_wrapped
+
+    ensure_wrapped()
+
+
 class _Engine(_BaseCache):
     step = 256
 
@@ -140,10 +146,9 @@ class _Engine(_BaseCache):
             self.group.reduce_scores()
         if self.group.rebudget_pending:
             self.group.rebudget()
-        if self.keys is None and not self._rows_n:
-            from .mlxlm.attention import ensure_wrapped
-
-            ensure_wrapped()
+        # every update, not only an empty cache's first: a cache loaded (or unpickled) in a fresh
+        # process must find the wrapper installed too (a no-op once no new module was imported)
+        _ensure_wrapped()
         b, _, S, _ = keys.shape
         self._ensure_rows(b)
         valid = self._take_valid(S)

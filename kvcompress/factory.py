@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .cache import CompressedKVCache
 from .config import MethodConfig, load_config
@@ -51,12 +51,14 @@ def default_cache(model: nn.Module) -> list:
     return make(model) if make is not None else [KVCache() for _ in model.layers]
 
 
-def _windowed(model: nn.Module) -> bool:
+def _windowed(model: nn.Module, default: list) -> bool:
     """Whether the model masks full-attention KVCache layers with a sliding window."""
     args = getattr(model, "args", None) or getattr(getattr(model, "model", None), "args", None)
     window = getattr(args, "sliding_window", None)
     if not window:
         return False
+    if any(isinstance(c, RotatingKVCache) for c in default):
+        return False  # the window is served by its own rotating layers (Gemma 3, Cohere 2, ...)
     types = getattr(args, "layer_types", None)
     return types is None or all(t != "full_attention" for t in types)
 
@@ -90,7 +92,7 @@ def make_prompt_cache(
     slots = [i for i, c in enumerate(default) if type(c) is KVCache]
     if not slots:
         raise ConfigError(f"{type(model).__name__} has no full-attention KVCache layers to compress")
-    if _windowed(model):
+    if _windowed(model, default):
         raise ConfigError(
             f"{type(model).__name__} masks its full-attention layers with a sliding window; "
             "kvcompress caches do not support sliding-window attention"

@@ -92,9 +92,11 @@ def bernoulli_gate(p: mx.array, seed: int, layer: int, heads, offset, positions)
     return gate_uniforms(seed, layer, heads, offset, positions) < p
 
 
-def _evicted_mask(evict: mx.array, t: int) -> mx.array:
+def _evicted_mask(evict: mx.array, t: int, real: Optional[mx.array] = None) -> mx.array:
+    """``[B, H, T]`` bool: the slots that really leave (entries ``real`` marks; all if None)."""
     shape = evict.shape[:-1] + (t,)
-    return mx.put_along_axis(mx.zeros(shape, mx.bool_), evict, mx.ones(evict.shape, mx.bool_), axis=-1)
+    leave = mx.ones(evict.shape, mx.bool_) if real is None else mx.broadcast_to(real, evict.shape)
+    return mx.put_along_axis(mx.zeros(shape, mx.bool_), evict, leave, axis=-1)
 
 
 def _scatter_add(x: mx.array, idx: mx.array, delta: mx.array) -> mx.array:
@@ -158,9 +160,9 @@ class GatedMerge:
 
     # -- the design note's rule: one most-similar survivor ---------------------------------
 
-    def nearest_target(self, keys, positions, evict):
+    def nearest_target(self, keys, positions, evict, real=None):
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
-        return _nearest_target(keys, positions, evict, self.n_sink)
+        return _nearest_target(keys, positions, evict, self.n_sink, real)
 
     def _merge_nearest(self, ev):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
@@ -171,12 +173,13 @@ class GatedMerge:
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
-    def window_targets(self, positions, evict):
-        """``(targets [B,H,E,m'] int32, valid [B,H,E,m'] bool)``: the next m kept tokens by position."""
+    def window_targets(self, positions, evict, real=None):
+        """``(targets [B,H,E,m'] int32, valid [B,H,E,m'] bool)``: the next m kept tokens by position
+        (slots that really leave -- ``real`` -- are never targets; entries a row does not free are)."""
         t = positions.shape[-1]
         pos_l = mx.take_along_axis(positions, evict, axis=-1)  # [B,H,E]
         d = positions[:, :, None, :] - pos_l[..., None]  # [B,H,E,T]
-        ok = (d > 0) & ~_evicted_mask(evict, t)[:, :, None, :] & (positions >= self.n_sink)[:, :, None, :]
+        ok = (d > 0) & ~_evicted_mask(evict, t, real)[:, :, None, :] & (positions >= self.n_sink)[:, :, None, :]
         big = mx.array(2**30, dtype=d.dtype)
         key = mx.where(ok, d, big)
         m = min(self.merge_window, t)
@@ -187,7 +190,7 @@ class GatedMerge:
 
     def _merge_window(self, ev):
         b, h, e = ev.evict.shape
-        targets, valid = self.window_targets(ev.positions, ev.evict)
+        targets, valid = self.window_targets(ev.positions, ev.evict, ev.real)
         m = targets.shape[-1]
         count = valid.astype(mx.float32).sum(-1)  # [B,H,E]
         s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
@@ -225,7 +228,7 @@ _COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
 _FNS: dict = {}
 
 
-def _nearest_target(keys, positions, evict, n_sink: int):
+def _nearest_target(keys, positions, evict, n_sink: int, real=None):
     t = keys.shape[2]
     kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
     dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
@@ -236,7 +239,7 @@ def _nearest_target(keys, positions, evict, n_sink: int):
     if evict.shape[-1] == 1:
         invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
     else:
-        invalid = invalid | _evicted_mask(evict, t)
+        invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
     cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
     target = mx.argmax(cos, axis=-1).astype(mx.int32)
     best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
@@ -264,7 +267,7 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
         return fn
 
     def merge_fn(keys, values, scores, positions, evict, real, off, base, heads):
-        target, cos, has = _nearest_target(keys, positions, evict, n_sink)
+        target, cos, has = _nearest_target(keys, positions, evict, n_sink, real)
         s_l = mx.take_along_axis(scores, evict, axis=-1)
         s_t = mx.take_along_axis(scores, target, axis=-1)
         do = has & real
