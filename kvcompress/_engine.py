@@ -349,7 +349,7 @@ class _Engine(_BaseCache):
         self._states["scorer"] = obs.state
         self._pending = None
         keep_q = S <= UNDO_TOKENS and not proxy
-        self._undo = (S, valid, qpos, before, queries if keep_q else None, scale)
+        self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
 
     # ----------------------------------------------------------------------------------------
     # Trimming
@@ -365,7 +365,7 @@ class _Engine(_BaseCache):
             return True
         if self._undo is None:
             return False
-        S, valid, _, _, queries, _ = self._undo
+        S, valid, _, _, queries, _, _ = self._undo
         if n > S or any(x != S for x in valid):
             return False
         return queries is not None or not self._needs_queries or n == S
@@ -386,7 +386,7 @@ class _Engine(_BaseCache):
                 f"cannot trim {n} token(s) exactly from a compressed cache: only the last step's "
                 f"{last} token(s) can be removed (older tokens already shaped evictions and scores)"
             )
-        S, valid, qpos, (scores, sstate), queries, scale = self._undo
+        S, valid, qpos, (scores, sstate), queries, scale, proxy = self._undo
         keep = S - n
         if self._last_slots is not None:  # a single token written into a freed slot
             self._pos = mx.put_along_axis(self._pos, self._last_slots, mx.full(self._last_slots.shape, -1, mx.int32), axis=-1)
@@ -399,6 +399,11 @@ class _Engine(_BaseCache):
         self._rows_off = [o - n for o in self._rows_off]
         self._states["scorer"] = sstate
         self._undo = None
+        if not keep:  # the whole step leaves: so does its observation
+            if proxy:
+                self._proxy_steps -= 1
+            else:
+                self._query_steps -= 1
         if keep:
             self._pending = (keep, [keep] * len(self._rows_n), qpos[..., :keep])
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
