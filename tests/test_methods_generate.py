@@ -85,11 +85,7 @@ def test_batch_rows_match_single_row_runs(method):
     model = tiny_llama(n_layers=2, seed=3)
     batch = tokens(56, batch=2, seed=3)
 
-    params = dict(SMALL[method])
-    if method == "snapkv_merge":
-        # CaM's Bernoulli gate draws one uniform array per round shaped [B, H, E], so a row's
-        # draws depend on the batch size; the ungated merge is deterministic per row.
-        params["merge_gate"] = False
+    params = dict(SMALL[method])  # snapkv_merge keeps CaM's gate: its draws are per row
 
     def feed(x):
         cache = kvcompress.make_prompt_cache(model, method, **params)
@@ -99,6 +95,8 @@ def test_batch_rows_match_single_row_runs(method):
 
     both, cache = feed(batch)
     assert all(c.evictions > 0 for c in cache)
+    if cache[0].method.config.disposition.name == "gated_merge":  # the gated merges happened
+        assert sum(int(mx.sum(c._states["disposition"].merges)) for c in cache) > 0
     for row in range(2):
         alone, _ = feed(batch[row : row + 1])
         assert np.abs(np.array(both[row]) - np.array(alone[0])).max() < 1e-4
