@@ -66,6 +66,7 @@ class _Engine(_BaseCache):
         self._last_valid: list = []
         self._last_slots = None
         self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
+        self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
 
     # ----------------------------------------------------------------------------------------
     # Budget and rows
@@ -131,6 +132,10 @@ class _Engine(_BaseCache):
                 self._compact()
             self._append(keys, values, valid)
         self._rows_off = [o + S for o in self._rows_off]
+        if self._pad is not None or any(v < S for v in valid):
+            # a right-padded prompt: offsets count the padding until finalize(); components see
+            # the tokens each row really has seen
+            self._pad = [p + S - v for p, v in zip(self._pad or [0] * len(valid), valid)]
         self._pending = (S, valid, qpos)
         self._last_valid = valid
         self._undo = None
@@ -138,10 +143,16 @@ class _Engine(_BaseCache):
         k = self._attended = self._viewed_keys()
         return k, v
 
+    def _seen(self) -> list:
+        """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""
+        if self._pad is None:
+            return self._rows_off
+        return [o - p for o, p in zip(self._rows_off, self._pad)]
+
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
         view = self._hooks["disposition"].get("view_keys")
-        return k if view is None else view(self._states["disposition"], k, self._pos, self._arr(self._rows_off))
+        return k if view is None else view(self._states["disposition"], k, self._pos, self._arr(self._seen()))
 
     def _take_valid(self, S: int) -> list:
         if self._new_valid is None:
@@ -162,7 +173,8 @@ class _Engine(_BaseCache):
         counts = [int(count(e)) if count and e else e for e in need]
         uniform = len(set(counts)) == 1
         k, v = self.keys_and_values()
-        off, offs, bud = self._arr(self._rows_off), tuple(self._rows_off), self._budget_arg()
+        seen = self._seen()
+        off, offs, bud = self._arr(seen), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
         protected = sel_c.protected(self._pos, off, bud)
         if self._holes():
@@ -339,7 +351,7 @@ class _Engine(_BaseCache):
         before = (self._score, self._states["scorer"])
         obs = Observation(
             queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
-            offset=self._arr(self._rows_off), offsets=tuple(self._rows_off), layer=self.info,
+            offset=self._arr(self._seen()), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             state=_state.snapshot(self._states["scorer"]), group=self.group,
         )

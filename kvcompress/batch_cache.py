@@ -96,7 +96,7 @@ class BatchCompressedKVCache(_Engine):
         """After a right-padded prompt: offsets count real tokens only."""
         if self._right is not None:
             self._rows_off = [o - p for o, p in zip(self._rows_off, self._right)]
-            self._right = self._new_valid = None
+            self._right = self._new_valid = self._pad = None
 
     # -- rows -------------------------------------------------------------------------------
 
