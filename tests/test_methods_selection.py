@@ -213,6 +213,47 @@ def test_snapkv_decode_interval_rescores_in_position_order():
     assert not (np.diff(d.pos, axis=-1) > 0).all(), "slot reuse should have scrambled slot order"
 
 
+def test_snapkv_row_events_follow_the_row_not_the_batch():
+    """In a right-padded batch chunk a row that brings one real token has a decode step (no
+    re-scoring with interval 0), one that brings several has a chunk: each row scores exactly as
+    it does alone."""
+    from kvcompress import BatchCompressedKVCache
+
+    m = kvcompress.build_method("snapkv", budget=64, recent=4, kernel=3, pooling="avg")
+    rng = np.random.default_rng(7)
+
+    def rand(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    k1, v1, q1 = rand(2, 2, 12, D), rand(2, 2, 12, D), rand(2, 4, 12, D)
+    k2, v2, q2 = rand(2, 2, 5, D), rand(2, 2, 5, D), rand(2, 4, 5, D)
+    batch = BatchCompressedKVCache.merge([CompressedKVCache(m, 64), CompressedKVCache(m, 64)])
+    batch.update_and_fetch(k1, v1)
+    batch.observe(q1, SCALE)
+    batch.prepare(lengths=[5, 1], right_padding=[0, 4])
+    batch.update_and_fetch(k2, v2)
+    batch.observe(q2, SCALE)
+    batch.finalize()
+    assert batch.offset.tolist() == [17, 13]
+    for r, n in ((0, 5), (1, 1)):
+        solo = CompressedKVCache(m, 64)
+        solo.update_and_fetch(k1[r : r + 1], v1[r : r + 1])
+        solo.observe(q1[r : r + 1], SCALE)
+        before = np.array(solo._score)
+        solo.update_and_fetch(k2[r : r + 1, :, :n], v2[r : r + 1, :, :n])
+        solo.observe(q2[r : r + 1, :, :n], SCALE)
+        if n == 1:  # a decode step leaves the chunk's scores, the new token enters at 0
+            np.testing.assert_array_equal(np.array(solo._score)[..., :12], before)
+        pos, score = np.array(batch._pos[r]), np.array(batch._score[r])
+        for h in range(2):
+            got = dict(zip(pos[h].tolist(), score[h].tolist()))
+            got.pop(-1, None)
+            want = dict(zip(np.array(solo._pos[0, h]).tolist(), np.array(solo._score[0, h]).tolist()))
+            assert sorted(got) == sorted(want)
+            np.testing.assert_allclose([got[p] for p in sorted(want)], [want[p] for p in sorted(want)],
+                                       rtol=1e-5, atol=1e-6)
+
+
 def test_snapkv_rejects_even_kernel():
     with pytest.raises(ConfigError, match="kernel"):
         kvcompress.build_method("snapkv", kernel=4)
