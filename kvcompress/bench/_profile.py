@@ -55,6 +55,7 @@ def _switch_off(c, flags) -> None:
         c.budget = 10**9
     if "no_score" in flags:
         c.method = attrs.evolve(c.method, scorer=_KeepScores())
+        c._hooks, c._wants_mass = c.method.hooks(), False
 
 
 def _model_profile(model, variants: list, s) -> dict:
@@ -104,9 +105,13 @@ def _layer_inputs(s, n: int, key: int):
 
 
 def _cache_arrays(c) -> list:
-    """The arrays a cache step produces (private fields of CompressedKVCache, for counting)."""
-    names = ("keys", "values", "_pos", "_score", "_merges")
-    return [getattr(c, n) for n in names if isinstance(getattr(c, n, None), mx.array)]
+    """The arrays a cache step produces (storage, positions, scores, component states)."""
+    from mlx.utils import tree_flatten
+
+    if not hasattr(c, "_states"):
+        return [a for a in (c.keys, c.values) if a is not None]
+    arrays = [a for a in (c.keys, c.values, c._pos, c._score) if isinstance(a, mx.array)]
+    return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)]
 
 
 def _filled_layer_cache(kind: str, s, flags=()):
@@ -123,13 +128,13 @@ def _filled_layer_cache(kind: str, s, flags=()):
     for i in range(0, 2 * s.budget, s.budget):
         kk, vv = c.update_and_fetch(k[..., i: i + s.budget, :], v[..., i: i + s.budget, :])
         if kind != "rotating":
-            c.observe(q[..., i: i + s.budget, :], s.head_dim**-0.5, "causal")
+            c.observe(q[..., i: i + s.budget, :], s.head_dim**-0.5)
         mx.eval(kk, vv, _cache_arrays(c))
     # one decode step so the cache is in its steady decode state
     k1, v1, q1 = _layer_inputs(s, 1, 20)
     kk, vv = c.update_and_fetch(k1, v1)
     if kind != "rotating":
-        c.observe(q1, s.head_dim**-0.5, None)
+        c.observe(q1, s.head_dim**-0.5)
     mx.eval(kk, vv, _cache_arrays(c))
     _switch_off(c, flags)
     return c
@@ -140,10 +145,10 @@ def _model_sdpa():
     model makes (attention through the cache, then ``observe``; a pass-through for others)."""
     from mlx_lm.models import base
 
-    from kvcompress import attention
+    from kvcompress.mlxlm import attention
 
-    fn = base.scaled_dot_product_attention
-    return fn if hasattr(fn, attention._MARK) else attention._wrap(fn)
+    attention.ensure_wrapped()
+    return base.scaled_dot_product_attention
 
 
 def _layer_steppers(variants: list, s, chunk: int) -> dict:
@@ -193,6 +198,8 @@ def _component_ms(kind: str, s, n: int) -> dict:
     pos, score = c._pos, c._score
     _, _, q1 = _layer_inputs(s, 1, 7)
     scale = s.head_dim**-0.5
+    off = mx.array(c.offset, mx.int32).reshape(1, 1, 1)
+    ctx = dict(offset=off, offsets=(c.offset,), layer=c.info)
 
     def timed(fn):
         mx.eval(fn())
@@ -203,19 +210,25 @@ def _component_ms(kind: str, s, n: int) -> dict:
             ts.append(time.perf_counter() - t0)
         return 1e3 * median(ts)
 
+    protected = m.selector.protected(pos, off, c.budget)
+    qpos = off - 1
+
     def score_fn():
-        obs = Observation(q1, k, pos, 1, scale, None, 0, c.offset)
+        obs = Observation(queries=q1, keys=k, positions=pos, query_positions=qpos, n_new=1, scale=scale,
+                          n_valid=(1,), state=c._states["scorer"], **ctx)
         return m.scorer.observe(score, obs)
 
     def select_fn():
-        return m.selector.select(Selection(score, pos, 1, c.budget, c.offset, 0))
+        return m.selector.select(Selection(scores=score, positions=pos, protected=protected, n_evict=1,
+                                           budget=c.budget, **ctx))
 
     evict = select_fn().astype(mx.int32)
     mx.eval(evict)
-    protected = m.selector.protected(pos, c.offset, c.budget)
 
     def dispose_fn():
-        return m.disposition.dispose(Eviction(k, v, score, pos, evict, protected, 0, 1))
+        return m.disposition.dispose(Eviction(keys=k, values=v, scores=score, positions=pos, evict=evict,
+                                              protected=protected, counts=(1,), draw_id=1,
+                                              state=c._states["disposition"], **ctx))
 
     def write_fn():  # the slot write of the incoming token (4 put_along_axis)
         b, h = k.shape[:2]
@@ -280,7 +293,7 @@ def _op_counts(kind: str, s, model) -> dict:
     mx.eval(kk, vv, _cache_arrays(c))
     res = {"update_and_fetch": upd["n_ops"], "update_by_op": upd["by_op"]}
     if kind != "rotating":
-        c.observe(q1, scale, None)
+        c.observe(q1, scale)
         obs = count_ops(*_cache_arrays(c))
         res["observe"] = obs["n_ops"]
         res["observe_by_op"] = obs["by_op"]
