@@ -101,7 +101,8 @@ def drive(scn: dict, check: bool = True):
         decode = i >= len(steps) - scn["n_decode"]
         n_before, ev_before = c.size(), c.evictions
         if check and c.size():
-            prot = np.array(c.method.selector.protected(c._pos, c.offset, c.budget))
+            seen = mx.full((scn["batch"], 1, 1), c.offset, mx.int32)  # [B, 1, 1], as the cache passes it
+            prot = np.array(c.method.selector.protected(c._pos, seen, c.budget))
             pos_before = np.array(c._pos)
         assert c.make_mask(S) == (None if S == 1 else "causal")
         arr = c.make_mask(S, return_array=True) if S > 1 else None
