@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     layers = [c for c in cache if isinstance(c, kvcompress.CompressedKVCache)]
     print("layer budgets:", [c.budget for c in layers])
     print("tokens kept:  ", [c.tokens_kept for c in layers])
-    print("merges:       ", [c.merges for c in layers])
+    print("merges:       ", [c.diagnostics["merges"] for c in layers])  # per KV head, from the merge state
 
 
 if __name__ == "__main__":

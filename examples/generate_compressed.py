@@ -33,7 +33,8 @@ def main(argv=None) -> str:
     first = next(c for c in cache if isinstance(c, kvcompress.CompressedKVCache))
     d = first.diagnostics
     print(f"layer {d['layer']}: kept {d['tokens_kept']} of {d['offset']} tokens "
-          f"({d['compression_ratio']:.2f}x), {d['evictions']} evicted, {d['merges']} merged, "
+          f"({d['compression_tokens']:.2f}x fewer tokens, {d['compression_bytes']:.2f}x fewer bytes than "
+          f"mlx-lm's KVCache), {d['evictions']} evicted, {d.get('merges', 0.0):.1f} merged per KV head, "
           f"scores from {d['score_source']}")
     return text
 

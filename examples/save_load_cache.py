@@ -2,9 +2,10 @@
 
     python examples/save_load_cache.py MODEL [--method h2o] [--budget 32] [--file cache.safetensors]
 
-Compressed caches use mlx-lm's file format, but mlx-lm's own loader only knows mlx-lm's cache
-classes: save and load them with ``kvcompress.save_prompt_cache`` / ``load_prompt_cache``.
-``kvcompress generate --save-prompt-cache FILE`` / ``--prompt-cache-file FILE`` do the same.
+Compressed caches use mlx-lm's file format and loader (mlx-lm's own ``load_prompt_cache`` reads
+them); ``kvcompress.save_prompt_cache`` / ``load_prompt_cache`` add a digest that catches a
+damaged file. ``kvcompress generate --save-prompt-cache FILE`` / ``--prompt-cache-file FILE`` do
+the same.
 """
 
 from __future__ import annotations

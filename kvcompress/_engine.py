@@ -79,6 +79,7 @@ class _Engine(_BaseCache):
         self._last_slots = None
         self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
         self._off_cache: tuple = (None, None)
+        self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
 
     # ----------------------------------------------------------------------------------------
     # Budget and rows
@@ -120,9 +121,10 @@ class _Engine(_BaseCache):
 
     def _offset(self) -> mx.array:
         """The offsets as an array, built once per value of the host offsets."""
-        key = tuple(self._rows_off)
+        seen = self._seen()
+        key = tuple(seen)
         if self._off_cache[0] != key:
-            self._off_cache = (key, self._arr(self._rows_off))
+            self._off_cache = (key, self._arr(seen))
         return self._off_cache[1]
 
     def _qpos(self, S: int) -> mx.array:
@@ -166,6 +168,10 @@ class _Engine(_BaseCache):
                 self._compact()
             self._append(keys, values, valid)
         self._rows_off = [o + S for o in self._rows_off]
+        if self._pad is not None or any(v < S for v in valid):
+            # a right-padded prompt: offsets count the padding until finalize(); components see
+            # the tokens each row really has seen
+            self._pad = [p + S - v for p, v in zip(self._pad or [0] * len(valid), valid)]
         self._pending = (S, valid, None)
         self._last_valid = valid
         self._undo = None
@@ -182,6 +188,12 @@ class _Engine(_BaseCache):
         """The agreed scores (the mean over ranks of :meth:`reduction`)."""
         self._score = mx.broadcast_to(value, self._score.shape) if value.shape != self._score.shape else value
         self._unreduced = False
+
+    def _seen(self) -> list:
+        """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""
+        if self._pad is None:
+            return self._rows_off
+        return [o - p for o, p in zip(self._rows_off, self._pad)]
 
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
@@ -207,7 +219,8 @@ class _Engine(_BaseCache):
         counts = [int(count(e)) if count and e else e for e in need]
         uniform = len(set(counts)) == 1
         k, v = self.keys_and_values()
-        off, offs, bud = self._offset(), tuple(self._rows_off), self._budget_arg()
+        seen = self._seen()
+        off, offs, bud = self._offset(), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
         protected = sel_c.protected(self._pos, off, bud)
         if self._holes():
@@ -396,7 +409,7 @@ class _Engine(_BaseCache):
         before = (self._score, self._states["scorer"])
         obs = Observation(
             queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
-            offset=self._offset(), offsets=tuple(self._rows_off), layer=self.info,
+            offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             all_visible=S == 1 and not self._holes(),
             state=_state.snapshot(self._states["scorer"]), group=self.group,
@@ -409,7 +422,7 @@ class _Engine(_BaseCache):
         self._pending = None
         self._unreduced = self._reduce
         keep_q = S <= UNDO_TOKENS and not proxy
-        self._undo = (S, valid, qpos, before, queries if keep_q else None, scale)
+        self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
 
     # ----------------------------------------------------------------------------------------
     # Trimming
@@ -425,7 +438,7 @@ class _Engine(_BaseCache):
             return True
         if self._undo is None:
             return False
-        S, valid, _, _, queries, _ = self._undo
+        S, valid, _, _, queries, _, _ = self._undo
         if n > S or any(x != S for x in valid):
             return False
         return queries is not None or not self._needs_queries or n == S
@@ -446,7 +459,7 @@ class _Engine(_BaseCache):
                 f"cannot trim {n} token(s) exactly from a compressed cache: only the last step's "
                 f"{last} token(s) can be removed (older tokens already shaped evictions and scores)"
             )
-        S, valid, qpos, (scores, sstate), queries, scale = self._undo
+        S, valid, qpos, (scores, sstate), queries, scale, proxy = self._undo
         keep = S - n
         if self._last_slots is not None:  # a single token written into a freed slot
             self._pos = mx.put_along_axis(self._pos, self._last_slots, mx.full(self._last_slots.shape, -1, mx.int32), axis=-1)
@@ -459,6 +472,11 @@ class _Engine(_BaseCache):
         self._rows_off = [o - n for o in self._rows_off]
         self._states["scorer"] = sstate
         self._undo = None
+        if not keep:  # the whole step leaves: so does its observation
+            if proxy:
+                self._proxy_steps -= 1
+            else:
+                self._query_steps -= 1
         if keep:
             self._pending = (keep, [keep] * len(self._rows_n), None)
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)

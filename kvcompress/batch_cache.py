@@ -96,7 +96,7 @@ class BatchCompressedKVCache(_Engine):
         """After a right-padded prompt: offsets count real tokens only."""
         if self._right is not None:
             self._rows_off = [o - p for o, p in zip(self._rows_off, self._right)]
-            self._right = self._new_valid = None
+            self._right = self._new_valid = self._pad = None
 
     # -- rows -------------------------------------------------------------------------------
 
@@ -153,6 +153,9 @@ class BatchCompressedKVCache(_Engine):
             self._states[kind] = _state.take_rows(self.method.component(kind), self._hooks[kind], self._states[kind], rows)
         sub = _sub(self, rows)
         host = {name: [getattr(self, name)[i] for i in rows] for name in _HOST}
+        for name in ("_pad", "_new_valid", "_right"):  # a prompt in progress keeps its rows' padding
+            if getattr(self, name, None) is not None:
+                setattr(self, name, [getattr(self, name)[i] for i in rows])
         width = max(host["_rows_n"], default=0)
         self._set_rows(host, [sub._layout(width)] if self.keys is not None else [], width)
         self._undo = None

@@ -15,16 +15,22 @@ Each ``check_*`` raises :class:`ContractFailure` (an ``AssertionError``) naming 
 broke, and returns a :class:`ContractReport` of the checks that passed and those that did not
 apply. What is checked:
 
-* per component, on seeded synthetic contexts (GQA, batch 2, shuffled slot order, float32 /
-  float16 / bfloat16): the record, defaults, frozen attrs class, protocol, capabilities,
-  JSON-serialisable parameters, and the kind's own rules (see :mod:`kvcompress._contracts.units`);
+* per component, on seeded synthetic contexts built as the engine builds them (GQA, batch 2,
+  shuffled slot order, float32 / float16 / bfloat16, and rows of different lengths with empty
+  slots, right padding and per-row eviction counts): the record, defaults, frozen attrs class,
+  protocol, capabilities, JSON-serialisable parameters, the kind's own rules -- each batch row
+  handled as it is alone, empty slots never selected or merged into, a selector's per-row
+  choice in priority order -- and the optional hooks the component declares (a state from
+  ``init_state`` survives ``cache.state``, deep copies and batch-row splits and merges; see
+  :mod:`kvcompress._contracts.units`);
 * then, unless ``run=False``, the component composed with the baseline parts
   (:data:`BASELINE`: ``h2o`` / ``lowest`` / ``drop`` / ``uniform``) runs the method contracts;
 * per method, through :func:`mlx_lm.generate.generate_step` with chunked prefill and greedy
   decode: the budget rule at every step, positions, protected tokens (sinks) kept, real-query
   float32 scores, honest ``nbytes``, exact equality with ``KVCache`` when nothing is evicted,
-  determinism, no NaN in float16, save/load round trip with identical continued decoding, and
-  the config's JSON round trip (see :mod:`kvcompress._contracts.runs`).
+  determinism, no NaN in float16, save/load round trip with identical continued decoding,
+  batched generation (mlx-lm's ``BatchGenerator``, rows of different lengths) equal to each
+  row's solo run, and the config's JSON round trip (see :mod:`kvcompress._contracts.runs`).
 
 A whole plugin in one parametrized test (no pytest plugin needed)::
 

@@ -5,7 +5,8 @@
   allocation step of the budget (exactly the budget, constant, with the ``lowest`` selector).
 * Save/load round trip: a restored cache continues with identical logits and diagnostics; mixed
   lists with plain mlx-lm caches load too.
-* ``trim`` is exact before the first eviction and a no-op after it.
+* ``trim`` is exact within the last step (before or after eviction: the cache is then what it
+  would be had the trimmed tokens never been fed) and raises, changing nothing, beyond it.
 * Decode holds the budget; sinks and the recent window always stay; positions are unique per
   head.
 * Bad input raises and leaves the cache untouched; impossible budgets fail at creation.
@@ -28,9 +29,10 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
-import kvcompress.cache as kvc_cache
+import kvcompress._engine as kvc_engine
 from conftest import assert_step_accounting, make_caches, tiny_llama
-from kvcompress import CompressedKVCache, ConfigError
+from kvcompress import CompressedKVCache, ConfigError, KVCompressError
+from kvcompress._state import flatten_state
 
 METHODS = sorted(kvcompress.get_registry().methods)
 
@@ -78,15 +80,25 @@ def _walk_arrays(obj, depth: int = 2) -> list:
     return out
 
 
+def component_state_arrays(c) -> list:
+    """The arrays of every component state the cache holds (what ``cache.state`` carries)."""
+    return [a for st in c._states.values() for a in flatten_state(st)[1]]
+
+
+# Host-side bookkeeping arrays of O(B * H) entries the cache keeps between steps (the slot the
+# last single token went into, the cached offset array of a batch cache); not storage.
+_BOOKKEEPING = {"_last_slots", "_off_arr"}
+
+
 def assert_nbytes_honest(c) -> None:
     """``nbytes`` == the cache's own buffers (found by walking the object, not its bookkeeping)
-    plus the disposition's declared state arrays, and every array the disposition state
-    actually holds is among the counted bytes."""
-    own = sum(a.nbytes for a in _arrays_in(c))
-    declare = getattr(c.method.disposition, "state_arrays", None)
-    declared = sum(a.nbytes for a in declare(c.disposition_state)) if declare else 0
+    plus the arrays of the component states it holds, and every array those states actually
+    hold is among the counted bytes."""
+    own = sum(a.nbytes for k, a in vars(c).items()
+              if isinstance(a, mx.array) and a.ndim > 0 and k not in _BOOKKEEPING)
+    declared = sum(a.nbytes for a in component_state_arrays(c))
     assert c.nbytes == own + declared
-    assert sum(a.nbytes for a in _walk_arrays(c.disposition_state)) <= declared
+    assert sum(a.nbytes for st in c._states.values() for a in _walk_arrays(st)) <= declared
 
 
 def stored_arrays(c) -> tuple:
@@ -136,16 +148,17 @@ def test_state_valid_after_every_generate_step_chunk(method, step):
             st = c.state
             mx.eval([a for a in st if isinstance(a, mx.array)])
             meta = json.loads(st[-1])
-            assert meta["offset"] == c.offset
             if done == 0:
-                assert c.empty()
+                assert c.empty() and meta["rows_off"] == meta["rows_n"] == [] and c.offset == 0
                 continue
+            assert meta["rows_off"] == [c.offset] and meta["rows_n"] == [c.tokens_kept]
             if done < total:
                 assert c.offset == done
             k, v, pos, score = stored_arrays(c)
             assert k.shape[2] == v.shape[2] == pos.shape[-1] == score.shape[-1] == c.size()
             assert pos.dtype == mx.int32 and score.dtype == mx.float32
             assert (np.array(pos) < c.offset).all()
+            assert ((np.array(pos) >= 0).sum(-1) == c.tokens_kept).all()  # held slots, per head
             assert np.isfinite(np.array(score)).all()
             r = CompressedKVCache.from_state(st)
             assert (r.offset, r.size(), r.evictions, r.budget) == (c.offset, c.size(), c.evictions, c.budget)
@@ -169,12 +182,12 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
     tokens = token_ids(n_prompt + n_decode, seed=2, batch=2)
     for c in cache:
         assert_nbytes_honest(c)
-        assert c.nbytes < 1024  # nothing but small disposition metadata before any token
+        assert c.nbytes < 1024  # nothing but small component state before any token
     feed(model, cache, tokens[:, :n_prompt], step=7)
     for c in cache:
         assert_nbytes_honest(c)
     # a disposition that keeps evicted tokens (attends them) may grow; everyone else is bounded
-    keeps_evicted = hasattr(cache[0].method.disposition, "attend")
+    keeps_evicted = "attend" in cache[0]._hooks["disposition"]
     exact = cache[0].method.config.selector.name == "lowest"
     steady = None
     for i in range(n_prompt, n_prompt + n_decode):
@@ -197,8 +210,7 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
         c = cache[0]
         k, v = c.keys_and_values()
         per_slot = (k.nbytes + v.nbytes) // c.budget + 2 * 4 * k.shape[0] * k.shape[1]  # + pos + score
-        declare = getattr(c.method.disposition, "state_arrays", None)
-        extra = sum(a.nbytes for a in declare(c.disposition_state)) if declare else 0
+        extra = sum(a.nbytes for a in component_state_arrays(c))
         assert steady[0] == per_slot * c.budget + extra
 
 
@@ -208,9 +220,11 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
 
 
 def _same_diagnostics(a, b) -> bool:
-    """Equal diagnostics; ``nbytes`` may only shrink (a loaded cache holds no spare capacity)."""
+    """Equal diagnostics; ``nbytes`` may only shrink (a loaded cache holds no spare capacity), so
+    the byte compression may only grow."""
     da, db = dict(a.diagnostics), dict(b.diagnostics)
-    return db.pop("nbytes") <= da.pop("nbytes") and da == db
+    smaller = db.pop("nbytes") <= da.pop("nbytes")
+    return smaller and db.pop("compression_bytes") >= da.pop("compression_bytes") and da == db
 
 
 def _continue(model, cache, tokens):
@@ -236,7 +250,7 @@ def test_save_load_round_trip_continues_identically(method, tmp_path):
         assert a.method.config == b.method.config and a.budget == b.budget and a.layer == b.layer
         sa, sb = a.state, b.state
         assert sa[-1] == sb[-1] and len(sa) == len(sb)
-        for x, y in zip(sa[:-1], sb[:-1]):  # disposition arrays, keys, values, positions, scores
+        for x, y in zip(sa[:-1], sb[:-1]):  # component state arrays, keys, values, positions, scores
             assert x.dtype == y.dtype and mx.array_equal(x, y)
 
     rest = tokens[:, n_prompt + 6 :]
@@ -290,41 +304,173 @@ def test_save_load_empty_cache(tmp_path):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_trim_before_eviction_behaves_like_kvcache(method):
+def test_trim_within_the_last_step_behaves_like_kvcache(method):
+    """Before any eviction, trimming tokens of the last step is KVCache's trim: the same offset
+    and stored tokens, and re-fed tokens give the same logits (speculative decoding's undo)."""
     model = fresh_tiny()
     tokens = token_ids(30, seed=7, batch=2)
     cache = kvcompress.make_prompt_cache(model, method, budget=4096)
     ref = [KVCache() for _ in model.layers]
-    feed(model, cache, tokens[:, :20], step=6)
-    feed(model, ref, tokens[:, :20], step=6)
+    feed(model, cache, tokens[:, :20], step=10)  # steps of 10: the last step holds tokens 10..19
+    feed(model, ref, tokens[:, :20], step=10)
     assert mlx_cache.can_trim_prompt_cache(cache)
+    assert all(c.can_trim(n) for c in cache for n in (0, 1, 5, 10))
     assert mlx_cache.trim_prompt_cache(cache, 5) == mlx_cache.trim_prompt_cache(ref, 5) == 5
     for c in cache:
-        assert c.offset == c.size() == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15
+        assert c.offset == c.size() == c.tokens_kept == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15
         assert (positions(c) == np.arange(15)).all()
     # speculative-decoding style: re-feed different tokens at the trimmed positions
     a = feed(model, cache, tokens[:, 20:30], step=4)
     b = feed(model, ref, tokens[:, 20:30], step=4)
     assert mx.array_equal(a, b)
-    # trimming more than is stored trims what is there, like KVCache
-    c, r = cache[0], ref[0]
-    assert c.trim(100) == r.trim(100) == 25 and c.offset == r.offset == 0
+    assert all(c.evictions == 0 for c in cache)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_trim_after_eviction_is_a_no_op(method):
+def test_trim_beyond_the_last_step_raises_and_changes_nothing(method):
+    """Older tokens already shaped scores (and, after eviction, what was evicted): trimming into
+    them raises before anything changes, and the cache continues as if never asked."""
     model = fresh_tiny()
     cache = make_caches(model, method, 10)
-    tokens = token_ids(3 * max(c.budget for c in cache), seed=8)
-    feed(model, cache, tokens, step=8)
+    twin = make_caches(model, method, 10)
+    tokens = token_ids(3 * max(c.budget for c in cache) + 3, seed=8)
+    n = tokens.shape[1] - 3
+    for cc in (cache, twin):
+        feed(model, cc, tokens[:, :n], step=8)
+        mx.eval(model(tokens[:, n : n + 1], cache=cc))  # a one-token step: only it can leave
     assert all(c.evictions > 0 for c in cache)
     before = [snapshot(c) for c in cache]
-    assert not mlx_cache.can_trim_prompt_cache(cache)
-    assert mlx_cache.trim_prompt_cache(cache, 3) == 0
+    assert mlx_cache.can_trim_prompt_cache(cache)  # is_trimmable: mlx-lm accepts the cache
     for c, s in zip(cache, before):
-        assert not c.is_trimmable()
-        assert c.trim(3) == 0
+        assert c.is_trimmable() and c.can_trim(1) and not c.can_trim(2)
+        with pytest.raises(KVCompressError, match="cannot trim 2 token"):
+            c.trim(2)
         assert_same_snapshot(snapshot(c), s)
+    with pytest.raises(KVCompressError):
+        mlx_cache.trim_prompt_cache(cache, 5)
+    for c, s in zip(cache, before):
+        assert_same_snapshot(snapshot(c), s)
+    rest = tokens[:, n + 1 :]
+    for x, y in zip(_continue(model, cache, rest), _continue(model, twin, rest)):
+        assert mx.array_equal(x, y)
+
+
+def _drive_direct(c, rng, steps):
+    """Feed ``steps`` (token counts) of random keys/values and real queries straight to a cache."""
+    for s in steps:
+        k = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
+        v = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
+        q = mx.array(rng.standard_normal((1, 4, s, 16)).astype(np.float32) * 3)
+        c.update_and_fetch(k, v)
+        c.observe(q, 0.25)
+
+
+def _canonical(c):
+    """What a cache holds, independent of its slot layout: per (row, head) the held slots sorted
+    by position -- ``(positions, keys, values, scores)`` -- plus the component state arrays and
+    the metadata without the group id (which is per prompt)."""
+    *_, text = c.state
+    meta = json.loads(text)
+    for k in ("group", "n"):
+        meta.pop(k)
+    pos = positions(c)
+    order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max), axis=-1)[..., : c.tokens_kept]
+    k, v = (np.array(x.astype(mx.float32)) for x in c.keys_and_values())
+    held = (
+        np.take_along_axis(pos, order, -1),
+        np.take_along_axis(k, order[..., None], 2),
+        np.take_along_axis(v, order[..., None], 2),
+        np.take_along_axis(np.array(c._score), order, -1),
+    )
+    return held, [np.array(a) for a in component_state_arrays(c)], meta
+
+
+def _assert_same_cache(a, b):
+    """The same tokens at the same positions with the same keys, values and component state;
+    scores (and merged values) equal up to float32 summation order: a slot layout that differs
+    sums the softmax, and the losers merged into one target, in another order. Without merges
+    the keys and values are the fed ones, bit for bit."""
+    (pa, ka, va, sa), xa, ma = _canonical(a)
+    (pb, kb, vb, sb), xb, mb = _canonical(b)
+    assert ma == mb
+    assert np.array_equal(pa, pb)
+    np.testing.assert_allclose(ka, kb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(va, vb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sa, sb, rtol=1e-5, atol=1e-6)
+    if a.method.config.disposition.name != "gated_merge":
+        assert np.array_equal(ka, kb) and np.array_equal(va, vb)
+    assert len(xa) == len(xb) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(xa, xb))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_trim_after_eviction_is_exact_within_the_last_step(method):
+    """Fed a step of S tokens and trimmed by k < S, a cache that has evicted holds what the cache
+    fed only the first S - k tokens holds (scores re-observed from the remaining queries), and
+    both continue alike; fully trimming a decode step leaves a freed slot that the next token
+    reuses, after which it is again the cache that never saw the trimmed token."""
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
+
+    def pair():
+        out = []
+        for _ in range(2):
+            (c,) = make_caches(model, method, 10)
+            rng = np.random.default_rng(0)
+            _drive_direct(c, rng, [c.budget + 2] * 3)  # over budget: evictions happened
+            for _ in range(24):  # decode until the cache is full (chunk selectors free whole chunks)
+                _drive_direct(c, rng, [1])
+                if c.tokens_kept == c.budget:
+                    break
+            out.append(c)
+        assert out[0].evictions > 0 and out[0].tokens_kept == out[0].budget
+        return out
+
+    for S, k in ((6, 2), (6, 5), (16, 9)):
+        a, b = pair()
+        rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
+        _drive_direct(a, rng_a, [S])
+        assert a.can_trim(k)
+        assert a.trim(k) == k
+        ka = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
+        va = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
+        qa = mx.array(rng_b.standard_normal((1, 4, S, 16)).astype(np.float32) * 3)
+        b.update_and_fetch(ka[:, :, : S - k], va[:, :, : S - k])
+        b.observe(qa[:, :, : S - k], 0.25)
+        assert a.offset == b.offset and a.tokens_kept == b.tokens_kept and a.evictions == b.evictions
+        _assert_same_cache(a, b)
+        _drive_direct(a, np.random.default_rng(2), [3, 1, 1])
+        _drive_direct(b, np.random.default_rng(2), [3, 1, 1])
+        _assert_same_cache(a, b)
+
+    # a decode step at full budget, fully trimmed: its eviction stays, its slot is freed
+    a, b = pair()
+    assert a.tokens_kept == a.budget  # full: the decode step evicts
+    _drive_direct(a, np.random.default_rng(3), [1])
+    assert a.trim(1) == 1 and a.offset == b.offset
+    gone = a.evictions - b.evictions
+    assert gone >= 1 and a.tokens_kept == a.budget - gone
+    assert ((positions(a) == -1).sum(-1) == a.size() - a.tokens_kept).all()
+    if "evict_count" not in a._hooks["selector"]:  # one slot freed and reused, then trimmed
+        assert ((positions(a) == -1).sum(-1) == 1).all() and a.size() == a.budget
+    _drive_direct(a, np.random.default_rng(4), [1, 1, 2, 1])
+    _drive_direct(b, np.random.default_rng(4), [1, 1, 2, 1])
+    _assert_same_cache(a, b)
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "streaming_llm", "knorm"])
+def test_a_long_step_is_trimmable_only_whole_when_scores_need_its_queries(method):
+    """Steps of more than 16 tokens keep no queries to re-observe with: a query-scored cache can
+    only drop such a step whole; a query-free scorer re-scores without them."""
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
+    (c,) = make_caches(model, method, 10)
+    _drive_direct(c, np.random.default_rng(0), [12, 12, 20])
+    queries = "queries" in c.method.scorer.requires
+    assert c.can_trim(20) and c.can_trim(3) == (not queries)
+    if queries:
+        before = snapshot(c)
+        with pytest.raises(KVCompressError):
+            c.trim(3)
+        assert_same_snapshot(snapshot(c), before)
+    assert c.trim(20) == 20 and c.offset == 24
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,7 +520,7 @@ def _drive_with_rigged_scores(method, n_sink, recent, budget, rank, steps=30):
     for t in range(steps):
         k = mx.random.normal((1, 2, 1, 16), key=mx.random.key(t))
         c.update_and_fetch(k, -k)
-        c.observe(mx.random.normal((1, 4, 1, 16), key=mx.random.key(1000 + t)), 0.25, None)
+        c.observe(mx.random.normal((1, 4, 1, 16), key=mx.random.key(1000 + t)), 0.25)
         c._score = (rank * c._pos).astype(mx.float32)
         yield t, positions(c)
 
@@ -421,7 +567,7 @@ BAD_FOR_FILLED = {
     "head_dim": (lambda: _kv(d=8)[0], lambda: _kv(d=8)[1], ValueError, "do not match"),
     "value head_dim": (lambda: _kv()[0], lambda: _kv(dv=8)[1], ValueError, "do not match"),
     "kv heads": (lambda: _kv(h=4)[0], lambda: _kv(h=4)[1], ValueError, "do not match"),
-    "batch": (lambda: _kv(b=2)[0], lambda: _kv(b=2)[1], ValueError, "do not match"),
+    "batch": (lambda: _kv(b=2)[0], lambda: _kv(b=2)[1], ValueError, "rows but the cache holds"),
     "cache dtype": (lambda: _kv(dtype=mx.float16)[0], lambda: _kv(dtype=mx.float16)[1], TypeError,
                     "does not match"),
 }
@@ -435,7 +581,7 @@ def _filled_cache(stage: str):
         k, v = _kv(s=3, seed=i + 1)
         c.update_and_fetch(k, v)
         if stage == "evicted" or i < 3:
-            c.observe(mx.random.normal((1, 4, 3, 16)), 0.25, "causal")
+            c.observe(mx.random.normal((1, 4, 3, 16)), 0.25)
     # stage "pending": the last step's keys wait for observe (a bad call must not score them)
     return c
 
@@ -538,7 +684,7 @@ class _BypassModel(nn.Module):
 @pytest.fixture
 def fresh_proxy_warning(monkeypatch):
     """The proxy warning is issued once per process; let this test see it."""
-    monkeypatch.setattr(kvc_cache, "_proxy_warned", False)
+    monkeypatch.setattr(kvc_engine, "_proxy_warned", False)
 
 
 def test_bypassing_attention_falls_back_to_proxy_with_warning(fresh_proxy_warning):
@@ -586,18 +732,47 @@ def test_wrapper_installed_by_make_prompt_cache_uses_real_queries(method):
 
 
 def test_fused_chunk_attention_matches_sdpa_and_seeds_the_mass():
-    """A compressing prefill chunk computes attention and H2O mass from one softmax: the output
-    equals mlx's fast attention and the mass equals the separate blockwise computation."""
-    import mlx.core as mx
-
-    from kvcompress._attention_math import attention_mass, attention_with_mass
+    """A compressing prefill chunk computes attention and H2O mass from one softmax
+    (:func:`kvcompress.ops.attention`): the output equals mlx's fast attention and the mass
+    equals the separate blockwise computation."""
+    from kvcompress import ops
 
     mx.random.seed(3)
     q = mx.random.normal((2, 8, 37, 16))
     k = mx.random.normal((2, 2, 90, 16))
     v = mx.random.normal((2, 2, 90, 16))
+    kpos = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 2, 90))
+    qpos = mx.arange(53, 90, dtype=mx.int32).reshape(1, 1, 37)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
-    out, mass = attention_with_mass(q, k, v, 0.25, "causal", block=16)
+    out, mass = ops.attention(q, k, v, 0.25, kpos, qpos, mass="group", block=16)
     assert mx.allclose(out, ref, atol=1e-5).item()
-    assert mx.allclose(mass, attention_mass(q, k, 0.25, "causal"), atol=1e-5).item()
+    assert mx.allclose(mass, ops.attention_mass(q, k, 0.25, kpos, qpos), atol=1e-5).item()
     assert mx.allclose(mass.sum(-1), mx.full((2, 2), 37.0), atol=1e-3).item()  # each query sums to 1
+
+
+def test_compressing_chunk_seeds_the_scorer_with_the_fused_mass(monkeypatch):
+    """Inside a model, a compressing chunk of an h2o cache takes the fused path (the mass is
+    handed to the scorer, not recomputed) and its output equals the plain path's."""
+    from kvcompress import ops
+
+    model = fresh_tiny()
+    tokens = token_ids(40, seed=14)
+    fused = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
+    plain = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
+    for c in plain:
+        c._wants_mass = False  # the plain sdpa path: the scorer computes its own mass
+    calls = []
+    original = ops.attention
+
+    def spy(*args, **kw):
+        calls.append(args[2] is not None and kw.get("mass") == "group")  # output and mass at once
+        return original(*args, **kw)
+
+    monkeypatch.setattr(ops, "attention", spy)
+    a = feed(model, fused, tokens, step=10)
+    assert sum(calls) == 3 * len(model.layers)  # chunks 2-4 compress; the first does not
+    b = feed(model, plain, tokens, step=10)
+    assert float(mx.abs(a - b).max()) < 1e-4
+    for x, y in zip(fused, plain):
+        assert np.array_equal(positions(x), positions(y))
+        np.testing.assert_allclose(np.array(x._score), np.array(y._score), rtol=1e-4, atol=1e-5)

@@ -24,10 +24,11 @@ from kvcompress import (
     Eviction,
     KVCacheBuilder,
     KVCacheConfig,
+    LayerInfo,
     make_prompt_cache,
 )
 from kvcompress_basic import Drop
-from kvcompress_cam.merge import GatedMerge, bernoulli_gate, gate_probability
+from kvcompress_cam.merge import GatedMerge, MergeState, bernoulli_gate, gate_probability, gate_uniforms
 
 from conftest import tiny_llama
 
@@ -53,10 +54,39 @@ def distinct_evict(b, h, t, e, seed, low=0):
     return mx.array(np.argsort(r, axis=-1)[..., :e] + low, dtype=mx.int32)
 
 
-def make_ev(keys, values, scores, evict, positions=None, n_sink=0, layer=0, draw_id=0):
+def make_ev(keys, values, scores, evict, positions=None, n_sink=0, layer=0, draw_id=0, offset=None, real=None):
+    """An :class:`Eviction` as the cache builds it: ``offset`` (tokens seen, default T) per row,
+    the sinks protected, a fresh merge counter as the disposition's state."""
     b, h, t, _ = keys.shape
     pos = arange_pos(b, h, t) if positions is None else positions
-    return Eviction(keys, values, scores, pos, evict, pos < n_sink, layer, draw_id)
+    offs = tuple(offset) if isinstance(offset, (list, tuple)) else (int(t if offset is None else offset),) * b
+    return Eviction(
+        keys=keys, values=values, scores=scores, positions=pos, evict=evict, protected=pos < n_sink,
+        offset=mx.array(offs, dtype=mx.int32).reshape(b, 1, 1), offsets=offs, layer=LayerInfo(layer=layer),
+        counts=(evict.shape[-1],) * b, draw_id=draw_id, real=real, state=MergeState(),
+    )
+
+
+def dispose(disp, ev):
+    """``(keys, values, scores, merges)``: ``disp.dispose`` on a fresh copy of ``ev`` (so a
+    merge counter starts at 0); ``merges`` is the total the disposition's state counted, or
+    None when it counted nothing (no merge was attempted)."""
+    ev = attrs.evolve(ev, state=MergeState())
+    out = disp.dispose(ev)
+    assert isinstance(out, tuple) and len(out) == 3
+    m = ev.state.merges if isinstance(ev.state, MergeState) else None
+    return (*out, None if m is None else int(m.sum()))
+
+
+def loser_positions(ev):
+    return mx.take_along_axis(ev.positions, ev.evict, axis=-1)
+
+
+def draws_of(ev, p, seed):
+    """``Bernoulli(p)`` as CaM draws it for ``ev``'s losers: keyed by (seed, layer, KV head,
+    tokens seen, loser position)."""
+    h = ev.keys.shape[1]
+    return bernoulli_gate(p, seed, ev.layer.layer, ev.layer.head_ids(h), ev.offset, loser_positions(ev))
 
 
 def np_(x):
@@ -133,8 +163,8 @@ def test_no_target_when_only_sinks_remain(merge, target):
     else:
         _, valid = gm.window_targets(arange_pos(2, 2, n_sink + 1), evict)
         assert not valid.any().item()
-    k, v, s, n = gm.dispose(make_ev(keys, values, scores, evict, n_sink=n_sink))
-    assert n.item() == 0  # the loser is simply dropped
+    k, v, s, n = dispose(gm, make_ev(keys, values, scores, evict, n_sink=n_sink))
+    assert n== 0  # the loser is simply dropped
     for a, b in [(k, keys), (v, values), (s, scores)]:
         assert mx.array_equal(a, b).item()
 
@@ -167,23 +197,93 @@ def test_gate_probability_edge_cases():
     assert np.array(gate_probability(s_l, s_t)).tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_bernoulli_gate_is_reproducible_by_seed_layer_and_draw_id():
-    p = mx.full((4, 8, 64), 0.5)
-    base = bernoulli_gate(p, seed=0, layer=1, draw_id=7)
+def _keys(b=1, h=8, e=64, offset=300, head_offset=0, pos0=0):
+    """Draw indices: global KV heads, tokens seen per row, loser positions ``[b, h, e]``."""
+    heads = LayerInfo(head_offset=head_offset).head_ids(h)
+    off = mx.array(offset if isinstance(offset, list) else [offset] * b, dtype=mx.int32).reshape(b, 1, 1)
+    pos = mx.broadcast_to(mx.arange(pos0, pos0 + e, dtype=mx.int32).reshape(1, 1, e), (b, h, e))
+    return heads, off, pos
+
+
+def test_gate_draws_are_reproducible_and_keyed_by_every_index():
+    """Same (seed, layer, heads, offset, positions) -> same draws, whatever mx.random's state;
+    changing any one index gives independent-looking draws."""
+    p = mx.full((1, 8, 64), 0.5)
+    heads, off, pos = _keys()
+    base = bernoulli_gate(p, 0, 1, heads, off, pos)
     mx.random.seed(12345)  # the global generator plays no part
-    assert mx.array_equal(base, bernoulli_gate(p, 0, 1, 7)).item()
+    assert mx.array_equal(base, bernoulli_gate(p, 0, 1, heads, off, pos)).item()
     mx.random.seed(999)
-    assert mx.array_equal(base, bernoulli_gate(p, 0, 1, 7)).item()
-    others = [bernoulli_gate(p, 0, 1, 8), bernoulli_gate(p, 1, 1, 7), bernoulli_gate(p, 0, 2, 7)]
+    mx.random.uniform(shape=(100,))
+    assert mx.array_equal(base, bernoulli_gate(p, 0, 1, heads, off, pos)).item()
+    others = [
+        bernoulli_gate(p, 1, 1, heads, off, pos),  # seed
+        bernoulli_gate(p, 0, 2, heads, off, pos),  # layer
+        bernoulli_gate(p, 0, 1, _keys(head_offset=8)[0], off, pos),  # other global KV heads
+        bernoulli_gate(p, 0, 1, heads, off + 1, pos),  # one more token seen
+        bernoulli_gate(p, 0, 1, heads, off, pos + 64),  # other loser positions
+    ]
     for o in others:
         assert 0.3 < np.mean(np.array(o) != np.array(base)) < 0.7  # independent-looking draws
+    u = np.array(gate_uniforms(0, 1, heads, off, pos))
+    assert u.dtype == np.float32 and 0.0 <= u.min() and u.max() < 1.0
 
 
 @pytest.mark.parametrize("p", [0.0, 0.05, 0.3, 0.9, 1.0])
 def test_bernoulli_gate_frequency_matches_p(p):
     n = 40_000
-    freq = np.array(bernoulli_gate(mx.full((n,), p), seed=3, layer=0, draw_id=0)).mean()
+    heads, off, pos = _keys(h=8, e=n // 8)
+    freq = np.array(bernoulli_gate(mx.full((1, 8, n // 8), p), 3, 0, heads, off, pos)).mean()
     assert abs(freq - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-12
+
+
+def test_gate_draws_are_batch_independent():
+    """A row's draws equal its solo draws, whatever its position in the batch and whatever the
+    other rows are; a cache holding some of the KV heads (tensor parallelism) draws what those
+    heads draw in the whole layer."""
+    offsets, starts = [300, 41, 1200], [7, 0, 90]
+    solo = [gate_uniforms(5, 2, *_keys(b=1, e=12, offset=o, pos0=s)) for o, s in zip(offsets, starts)]
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        heads = _keys()[0]
+        off = mx.array([offsets[i] for i in order], dtype=mx.int32).reshape(3, 1, 1)
+        pos = mx.concatenate([_keys(b=1, e=12, pos0=starts[i])[2] for i in order])
+        batch = gate_uniforms(5, 2, heads, off, pos)
+        for row, i in enumerate(order):
+            assert mx.array_equal(batch[row : row + 1], solo[i]).item()
+    assert not mx.array_equal(solo[0], solo[1]).item()
+    heads_hi, off, pos = _keys(h=4, e=12, offset=300, head_offset=4, pos0=7)
+    assert mx.array_equal(gate_uniforms(5, 2, heads_hi, off, pos), solo[0][:, 4:]).item()
+    u = np.array(gate_uniforms(0, 0, *_keys(b=64, h=32, e=16, offset=list(range(64))))).ravel()
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("target", ["nearest", "window"])
+@pytest.mark.parametrize("e", [1, 3])
+def test_dispose_of_a_batch_row_equals_its_solo_dispose(target, e):
+    """Gated merges of a batch: each row merges exactly as it does alone (its own offset, its
+    own losers), wherever it sits in the batch."""
+    b, h, t = 3, 4, 20
+    keys, values = rnd((b, h, t, 8), 0), rnd((b, h, t, 8), 1)
+    scores = mx.abs(rnd((b, h, t), 2)) + 0.05
+    pos = mx.array(np.random.default_rng(3).permuted(np.tile(np.arange(t), (b, h, 1)), axis=-1), dtype=mx.int32)
+    evict = mx.array(np.stack([[np.random.default_rng(10 * r + hh).choice(np.flatnonzero(np.array(pos)[r, hh] >= 2), e,
+                                                                     replace=False) for hh in range(h)]
+                               for r in range(b)]), dtype=mx.int32)
+    offsets = [37, 250, 21]
+    gm = GatedMerge(target=target, merge_window=3, n_sink=2, seed=9)
+    whole = dispose(gm, make_ev(keys, values, scores, evict, pos, n_sink=2, layer=1, offset=offsets))
+    for order in ([0, 1, 2], [2, 1, 0]):
+        idx = mx.array(order)
+        perm = dispose(gm, make_ev(keys[idx], values[idx], scores[idx], evict[idx], pos[idx], n_sink=2, layer=1,
+                                   offset=[offsets[i] for i in order]))
+        for row, r in enumerate(order):
+            ev1 = make_ev(keys[r : r + 1], values[r : r + 1], scores[r : r + 1], evict[r : r + 1], pos[r : r + 1],
+                          n_sink=2, layer=1, offset=[offsets[r]])
+            alone = dispose(gm, ev1)
+            for a, x, y in zip(alone[:3], whole[:3], perm[:3]):
+                np.testing.assert_allclose(np.array(a)[0], np.array(x)[r], rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(np.array(a)[0], np.array(y)[row], rtol=1e-6, atol=1e-6)
+    assert whole[3] is not None and 0 < whole[3] < b * h * e  # the gate let some through, not all
 
 
 def _gate_case(h, s_l, s_t, merge="mean", **kw):
@@ -205,37 +305,39 @@ def test_low_relative_score_loser_is_usually_dropped():
     """p = 0.05: the gate blocks the large majority of merges, yet it is not a hard block."""
     h = 2000
     gm, ev = _gate_case(h, s_l=0.05, s_t=1.0)
-    _, _, s, n = gm.dispose(ev)
+    _, _, s, n = dispose(gm, ev)
     merged = _merged(ev, s)
-    assert merged.sum() == n.item()
+    assert merged.sum() == n
     assert 0 < merged.mean() < 0.1
     gm_hi, ev_hi = _gate_case(h, s_l=1.0, s_t=1.0)  # comparable mass: p = 1
-    assert gm_hi.dispose(ev_hi)[3].item() == h
+    assert dispose(gm_hi, ev_hi)[3] == h
 
 
-@pytest.mark.parametrize("draw_id", [0, 1, 2])
+@pytest.mark.parametrize("offset", [3, 100])
 @pytest.mark.parametrize("layer", [0, 3])
-def test_gate_is_eq14_against_the_target_score(layer, draw_id):
+def test_gate_is_eq14_against_the_target_score(layer, offset):
     h = 500
     gm, ev = _gate_case(h, s_l=0.8, s_t=2.0, seed=11)  # p = 0.8 / 2.0 (the sink scores 1.0)
-    ev.layer, ev.draw_id = layer, draw_id
-    _, _, s, _ = gm.dispose(ev)
-    want = bernoulli_gate(mx.full((1, h, 1), 0.4), 11, layer, draw_id)
-    np.testing.assert_array_equal(_merged(ev, s), np.array(want)[0, :, 0])
+    ev = attrs.evolve(ev, layer=LayerInfo(layer=layer), offset=mx.full((1, 1, 1), offset, mx.int32),
+                      offsets=(offset,), draw_id=7)  # the round counter plays no part in the draws
+    _, _, s, n = dispose(gm, ev)
+    want = np.array(draws_of(ev, mx.full((1, h, 1), 0.4), 11))[0, :, 0]
+    np.testing.assert_array_equal(_merged(ev, s), want)
+    assert n == want.sum() and 0.3 < want.mean() < 0.5
 
 
 def test_disabling_the_gate_merges_every_loser_unconditionally():
     h = 300
     gm_off, ev = _gate_case(h, s_l=0.0, s_t=1.0, merge_gate=False)  # p = 0: gate would block all
-    k, v, s, n = gm_off.dispose(ev)
-    assert n.item() == h
+    k, v, s, n = dispose(gm_off, ev)
+    assert n == h
     vals = np.array(ev.values)
     np.testing.assert_allclose(np.array(v)[0, :, 1], (vals[0, :, 1] + vals[0, :, 2]) / 2, rtol=1e-6, atol=1e-6)
-    assert GatedMerge(merge="mean", n_sink=1).dispose(ev)[3].item() == 0
+    assert dispose(GatedMerge(merge="mean", n_sink=1), ev)[3] == 0
     # Where the gate always opens (p = 1), gate on == gate off, bit for bit.
     gm_on, ev1 = _gate_case(h, s_l=2.0, s_t=1.0)
-    on = gm_on.dispose(ev1)
-    off = GatedMerge(merge="mean", n_sink=1, merge_gate=False).dispose(ev1)
+    on = dispose(gm_on, ev1)
+    off = dispose(GatedMerge(merge="mean", n_sink=1, merge_gate=False), ev1)
     for a, b in zip(on, off):
         assert mx.array_equal(a, b).item()
 
@@ -254,25 +356,27 @@ def _pair(angles, d=8, loser_norm=3.0, seed=0):
     keys[0, :, 2, 0] = loser_norm * np.cos(angles)
     keys[0, :, 2, 1] = loser_norm * np.sin(angles)
     values = rnd((1, h, 3, d), seed)
-    scores = mx.ones((1, h, 3))
+    # at offset 3 the target (position 1) and the loser (position 2) drew the same attention per
+    # query since they arrived: equal prominence, so only the key similarity weighs the blend
+    scores = mx.broadcast_to(mx.array([1.0, 2.0, 1.0]), (1, h, 3))
     evict = mx.full((1, h, 1), 2, dtype=mx.int32)
-    return make_ev(mx.array(keys), values, scores, evict, n_sink=1)
+    return make_ev(mx.array(keys), values, scores, evict, n_sink=1, offset=3)
 
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_drop_returns_everything_unchanged(gate):
     ev = make_ev(rnd((2, 3, 10, 8), 0), rnd((2, 3, 10, 8), 1), mx.abs(rnd((2, 3, 10), 2)), distinct_evict(2, 3, 10, 2, 3, low=1), n_sink=1)
-    k, v, s, n = GatedMerge(merge="drop", merge_gate=gate, n_sink=1).dispose(ev)
+    k, v, s, n = dispose(GatedMerge(merge="drop", merge_gate=gate, n_sink=1), ev)
     assert k is ev.keys and v is ev.values and s is ev.scores and n is None  # no merge counted
 
 
 def test_mean_averages_values():
     ev = _pair(np.linspace(0, np.pi, 7))
-    k, v, s, n = GatedMerge(merge="mean", merge_gate=False, n_sink=1).dispose(ev)
+    k, v, s, n = dispose(GatedMerge(merge="mean", merge_gate=False, n_sink=1), ev)
     vals = np.array(ev.values)
     np.testing.assert_allclose(np.array(v)[0, :, 1], (vals[0, :, 1] + vals[0, :, 2]) / 2, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.array(v)[0, :, [0, 2]], vals[0, :, [0, 2]])
-    assert mx.array_equal(k, ev.keys).item() and n.item() == 7
+    assert mx.array_equal(k, ev.keys).item() and n == 7
 
 
 def test_sim_weighted_absorbs_a_similar_loser_strongly_and_a_dissimilar_one_barely():
@@ -280,7 +384,7 @@ def test_sim_weighted_absorbs_a_similar_loser_strongly_and_a_dissimilar_one_bare
     in (w = 1/2); an orthogonal or opposite one barely perturbs; w never exceeds 1/2."""
     angles = np.linspace(0, np.pi, 25)
     ev = _pair(angles)
-    _, v, _, _ = GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1).dispose(ev)
+    _, v, _, _ = dispose(GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1), ev)
     before, after = np.array(ev.values)[0], np.array(v)[0]
     ws = []
     for hi in range(len(angles)):
@@ -296,16 +400,16 @@ def test_sim_weighted_absorbs_a_similar_loser_strongly_and_a_dissimilar_one_bare
     far = np.abs(angles - 5 * np.pi / 12).argmin()  # cos ~ 0.26
     assert ws[near] > 2 * ws[far]
     # The weight depends on direction only, not on the loser key's norm.
-    _, v2, _, _ = GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1).dispose(_pair(angles, loser_norm=0.1))
+    _, v2, _, _ = dispose(GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1), _pair(angles, loser_norm=0.1))
     np.testing.assert_allclose(np.array(v2), np.array(v), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("merge", ["sim_weighted", "mean"])
 def test_merge_keys_toggles_key_blending(merge):
     ev = _pair(np.linspace(0, np.pi / 3, 5))
-    k_off, v_off, s_off, _ = GatedMerge(merge=merge, merge_gate=False, n_sink=1).dispose(ev)
-    k_on, v_on, s_on, _ = GatedMerge(merge=merge, merge_gate=False, merge_keys=True, n_sink=1).dispose(ev)
-    k_drop = Drop().dispose(ev)[0]
+    k_off, v_off, s_off, _ = dispose(GatedMerge(merge=merge, merge_gate=False, n_sink=1), ev)
+    k_on, v_on, s_on, _ = dispose(GatedMerge(merge=merge, merge_gate=False, merge_keys=True, n_sink=1), ev)
+    k_drop = dispose(Drop(), ev)[0]
     assert mx.array_equal(k_off, k_drop).item() and mx.array_equal(k_off, ev.keys).item()
     assert mx.array_equal(v_on, v_off).item() and mx.array_equal(s_on, s_off).item()
     kb, ka, vb, va = (np.array(x)[0] for x in (ev.keys, k_on, ev.values, v_on))
@@ -323,8 +427,8 @@ def test_values_only_merge_leaves_keys_identical_to_the_drop_path(dtype, target)
     ev = make_ev(rnd((b, h, t, 8), 0, dtype), rnd((b, h, t, 8), 1, dtype), mx.abs(rnd((b, h, t), 2)),
                  distinct_evict(b, h, t, e, 3, low=2), n_sink=2)
     for gate in (True, False):
-        k, v, s, _ = GatedMerge(merge="sim_weighted", merge_gate=gate, target=target, merge_window=4, n_sink=2).dispose(ev)
-        assert mx.array_equal(k, Drop().dispose(ev)[0]).item()
+        k, v, s, _ = dispose(GatedMerge(merge="sim_weighted", merge_gate=gate, target=target, merge_window=4, n_sink=2), ev)
+        assert mx.array_equal(k, dispose(Drop(), ev)[0]).item()
         assert k.dtype == v.dtype == dtype and s.dtype == mx.float32
 
 
@@ -342,19 +446,19 @@ def test_decode_row_update_and_multi_eviction_scatter_agree(merge, merge_keys):
     keys = mx.array(keys)
     values, scores = rnd((1, 1, 5, d), 1), mx.array([[[3.0, 1.0, 0.5, 2.0, 0.25]]])
     gm = GatedMerge(merge=merge, merge_gate=False, merge_keys=merge_keys, n_sink=1)
-    both = gm.dispose(make_ev(keys, values, scores, mx.array([[[2, 4]]], dtype=mx.int32), n_sink=1))
+    both = dispose(gm, make_ev(keys, values, scores, mx.array([[[2, 4]]], dtype=mx.int32), n_sink=1))
     for loser, target in [(2, 1), (4, 3)]:
-        one = gm.dispose(make_ev(keys, values, scores, mx.array([[[loser]]], dtype=mx.int32), n_sink=1))
+        one = dispose(gm, make_ev(keys, values, scores, mx.array([[[loser]]], dtype=mx.int32), n_sink=1))
         for a, b in zip(both[:3], one[:3]):
             np.testing.assert_allclose(np.array(a)[0, 0, target], np.array(b)[0, 0, target], rtol=1e-6, atol=1e-7)
-        assert one[3].item() == 1
-    assert both[3].item() == 2
+        assert one[3] == 1
+    assert both[3] == 2
 
 
 def test_mass_moves_to_the_target():
     ev = _pair(np.linspace(0, np.pi / 2, 4))
     ev.scores = mx.broadcast_to(mx.array([5.0, 2.0, 0.75]), (1, 4, 3))
-    _, _, s, _ = GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1).dispose(ev)
+    _, _, s, _ = dispose(GatedMerge(merge="sim_weighted", merge_gate=False, n_sink=1), ev)
     np.testing.assert_allclose(np.array(s)[0, :, 1], 2.75)
     np.testing.assert_array_equal(np.array(s)[0, :, 0], 5.0)
 
@@ -380,7 +484,7 @@ def test_merge_invariants(seed, merge, target, gate, merge_keys, e, window):
     evict = mx.array(evict_slots, dtype=mx.int32)
     ev = make_ev(rnd((b, h, t, 8), seed), rnd((b, h, t, 8), seed + 1), mx.abs(rnd((b, h, t), seed + 2)), evict, pos, n_sink, 0, seed)
     gm = GatedMerge(merge=merge, target=target, merge_gate=gate, merge_keys=merge_keys, merge_window=window, n_sink=n_sink)
-    k, v, s, n = gm.dispose(ev)
+    k, v, s, n = dispose(gm, ev)
     if target == "nearest":
         tg = np.array(gm.nearest_target(ev.keys, pos, evict)[0])[..., None]
         ok = np.ones_like(tg, bool)
@@ -402,15 +506,15 @@ def test_merge_invariants(seed, merge, target, gate, merge_keys, e, window):
     gained = (s1 - s0)[~evicted].sum()
     loser_mass = s0[evicted].sum()
     assert -1e-4 <= gained <= loser_mass + 1e-4
-    assert 0 <= n.item() <= b * h * e
+    assert 0 <= n <= b * h * e
     if not gate and target == "nearest":
         # every loser merges, except sim_weighted ones whose blend weight max(cos, 0)/2 is 0
         _, cos, has = gm.nearest_target(ev.keys, pos, evict)
         moving = np.array(has) & ((np.array(cos) > 0) | (merge == "mean"))
-        assert n.item() == moving.sum()
+        assert n == moving.sum()
         moved_mass = (np.take_along_axis(s0, evict_slots, -1) * moving).sum()
         assert gained == pytest.approx(moved_mass, rel=1e-5, abs=1e-5)
-    if n.item() == 0:
+    if n == 0:
         assert gained == 0
 
 
@@ -452,28 +556,28 @@ def test_window_rule_adds_v_over_m_and_gates_against_the_window_mean():
     ev = make_ev(keys, values, scores, evict, n_sink=1, layer=2, draw_id=5)
 
     # Without the gate: each of the m targets gains v_l / m and mass s_l / m; keys untouched.
-    k, v, s, n = GatedMerge(target="window", merge_window=m, merge_gate=False, n_sink=1).dispose(ev)
+    k, v, s, n = dispose(GatedMerge(target="window", merge_window=m, merge_gate=False, n_sink=1), ev)
     vb, va = np.array(values), np.array(v)
     np.testing.assert_allclose(va[0, :, 3:6], vb[0, :, 3:6] + vb[0, :, 2:3] / m, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.delete(va, [3, 4, 5], axis=2), np.delete(vb, [3, 4, 5], axis=2))
     np.testing.assert_allclose(np.array(s)[0, :, 3:6], sc[0, :, 3:6] + 0.65 / m, rtol=1e-6)
-    assert mx.array_equal(k, keys).item() and n.item() == h
-    k2 = GatedMerge(target="window", merge_window=m, merge_gate=False, merge_keys=True, n_sink=1).dispose(ev)[0]
+    assert mx.array_equal(k, keys).item() and n == h
+    k2 = dispose(GatedMerge(target="window", merge_window=m, merge_gate=False, merge_keys=True, n_sink=1), ev)[0]
     np.testing.assert_allclose(np.array(k2)[0, :, 3:6], np.array(keys)[0, :, 3:6] + np.array(keys)[0, :, 2:3] / m, rtol=1e-5, atol=1e-6)
 
     # With the gate: merge ~ Bernoulli(clamp(s_l / mean(window scores))) = Bernoulli(0.5).
-    _, _, s, n = GatedMerge(target="window", merge_window=m, n_sink=1, seed=4).dispose(ev)
+    _, _, s, n = dispose(GatedMerge(target="window", merge_window=m, n_sink=1, seed=4), ev)
     merged = np.array(s)[0, :, 3] != sc[0, :, 3]
-    want = bernoulli_gate(mx.full((1, h, 1), 0.65 / 1.3), 4, 2, 5)
+    want = draws_of(ev, mx.full((1, h, 1), 0.65 / 1.3), 4)
     np.testing.assert_array_equal(merged, np.array(want)[0, :, 0])
-    assert n.item() == merged.sum() and 0.35 < merged.mean() < 0.65
+    assert n == merged.sum() and 0.35 < merged.mean() < 0.65
 
 
 def test_window_with_no_later_token_does_not_merge():
     keys, values = rnd((1, 2, 6, 4), 0), rnd((1, 2, 6, 4), 1)
     ev = make_ev(keys, values, mx.ones((1, 2, 6)), mx.full((1, 2, 1), 5, dtype=mx.int32), n_sink=1)
-    k, v, s, n = GatedMerge(target="window", merge_gate=False, n_sink=1).dispose(ev)
-    assert n.item() == 0 and mx.array_equal(v, values).item() and mx.array_equal(s, ev.scores).item()
+    k, v, s, n = dispose(GatedMerge(target="window", merge_gate=False, n_sink=1), ev)
+    assert n == 0 and mx.array_equal(v, values).item() and mx.array_equal(s, ev.scores).item()
 
 
 # ------------------------------------------------------------------------------------------
@@ -488,11 +592,14 @@ def test_drop_primitive_equals_h2o_drop(gate, dtype):
                  distinct_evict(2, 4, 12, 3, 4, low=4), n_sink=4)
     cam = kvcompress.build_method("cam", merge="drop", merge_gate=gate)
     h2o = kvcompress.build_method("h2o")
-    cam_out, h2o_out = cam.disposition.dispose(ev), h2o.disposition.dispose(ev)
+    cam_out, h2o_out = dispose(cam.disposition, ev), dispose(h2o.disposition, ev)
     for a, b in zip(cam_out[:3], h2o_out[:3]):
         assert a.dtype == b.dtype and mx.array_equal(a, b).item()
     assert cam_out[3] is None and h2o_out[3] is None  # neither counts a merge
-    sel = kvcompress.Selection(ev.scores, ev.positions, 3, 12, 12, 0)
+    sel = kvcompress.Selection(
+        scores=ev.scores, positions=ev.positions, protected=cam.selector.protected(ev.positions, ev.offset, 12),
+        n_evict=3, budget=12, offset=ev.offset, offsets=ev.offsets, layer=ev.layer,
+    )
     assert mx.array_equal(cam.selector.select(sel), h2o.selector.select(sel)).item()
     assert cam.scorer == h2o.scorer
 
@@ -527,6 +634,12 @@ def run(model, caches, batch=1, n_prompt=40, n_decode=12, chunk=None, seed=0):
     return out
 
 
+def merges(c) -> float:
+    """Merges per KV head (diagnostics: the mean over KV heads; a list per row for a batch)."""
+    m = c.diagnostics["merges"]
+    return sum(m) if isinstance(m, list) else m
+
+
 def state_arrays(caches):
     """keys, values, positions, scores of every layer (the last four arrays of ``state``)."""
     return [a for c in caches for a in c.state[-5:-1]]
@@ -559,12 +672,19 @@ def test_all_modes_prefill_then_decode(models, mode, arch, batch):
         assert (np.sort(pos, -1)[..., :n_sink] == np.arange(n_sink)).all()  # sinks retained
         assert (np.diff(np.sort(pos, -1), axis=-1) > 0).all()  # no position stored twice
         assert c.offset == 40 + 12 and c.evictions == 52 - budget
-        assert c.compression_ratio == pytest.approx(52 / budget)
-        assert c.merge_mode == mode["merge"] and c.merge_gate == mode.get("merge_gate", True)
+        assert c.diagnostics["compression_tokens"] == pytest.approx(52 / budget)
+        disp = c.method.disposition
+        assert disp.merge == mode["merge"] and disp.merge_gate == mode.get("merge_gate", True)
+        counted = c._states["disposition"].merges
         if mode["merge"] == "drop":
-            assert c.merges == 0
-        elif mode.get("merge_gate") is False:
-            assert c.merges > 0
+            assert merges(c) == 0 and counted is None  # nothing is ever merged
+        else:
+            assert counted.shape == (batch, h_kv)  # per row and KV head, in the cache's state
+            if batch == 1:  # diagnostics: the mean over KV heads (a scalar for one sequence)
+                assert c.diagnostics["merges"] == pytest.approx(float(np.array(counted).mean()))
+            assert 0 <= np.array(counted).min() and np.array(counted).max() <= c.evictions
+            if mode.get("merge_gate") is False:
+                assert merges(c) > 0
 
 
 def test_chunk_larger_than_budget_keeps_budget_minus_one_plus_chunk(models):
@@ -586,7 +706,7 @@ def test_runs_are_deterministic_and_seeded(models, mode):
     for global_seed in (1, 2):
         mx.random.seed(global_seed)  # no unseeded RNG: the global generator changes nothing
         caches = make_prompt_cache(model, "cam", budget=12, seed=5, **mode)
-        results.append((run(model, caches, batch=2), state_arrays(caches), [c.merges for c in caches]))
+        results.append((run(model, caches, batch=2), state_arrays(caches), [merges(c) for c in caches]))
     (l1, s1, m1), (l2, s2, m2) = results
     assert m1 == m2 and sum(m1) > 0
     assert all(mx.array_equal(a, b).item() for a, b in zip(l1 + s1, l2 + s2))
@@ -607,13 +727,18 @@ def test_byte_accounting(models):
     for c, nb in zip(caches["cam"], before):
         b, h, buf, d = c.keys.shape
         per_slot_kv = (c.keys.itemsize + c.values.itemsize) * d  # bytes of one K+V row
-        assert c.nbytes == b * h * (buf * per_slot_kv + c.size() * (4 + 4))  # + int32 pos, f32 score
+        counter = b * h * 4  # the merge counter: int32 per row and KV head
+        assert c.nbytes == b * h * (buf * per_slot_kv + c.size() * (4 + 4)) + counter  # + int32 pos, f32 score
         assert buf <= c.budget + c.step
         assert c.nbytes == nb  # bounded: no growth while decoding at budget
-        assert c.diagnostics["nbytes"] == c.nbytes
-        assert c.compression_ratio == pytest.approx(c.offset / 16) and c.compression_ratio > 1
-    # Merging costs no memory: the same bytes as dropping at the same budget.
-    assert before == [c.nbytes for c in caches["h2o"]]
+        d = c.diagnostics
+        assert d["nbytes"] == c.nbytes
+        assert d["compression_tokens"] == pytest.approx(c.offset / 16) and d["compression_tokens"] > 1
+        # mlx-lm's KVCache holds the tokens seen in 256-token steps
+        full = -(-c.offset // 256) * 256 * h * per_slot_kv * b
+        assert d["compression_bytes"] == pytest.approx(full / c.nbytes)
+    # Merging costs no memory beyond its counter: the bytes of dropping at the same budget.
+    assert before == [c.nbytes + c.keys.shape[0] * c.keys.shape[1] * 4 for c in caches["h2o"]]
 
 
 def test_kvcachebuilder_for_model_design_note_diagnostics(models):
@@ -624,8 +749,11 @@ def test_kvcachebuilder_for_model_design_note_diagnostics(models):
     assert len(caches) == len(model.layers) and all(type(c) is CompressedKVCache for c in caches)
     run(model, caches, batch=1)
     c = caches[0]
-    assert (c.merge_mode, c.merge_gate, c.tokens_kept) == ("sim_weighted", True, 16)
-    assert c.compression_ratio == pytest.approx(52 / 16)
+    assert (c.method.disposition.merge, c.method.disposition.merge_gate, c.tokens_kept) == ("sim_weighted", True, 16)
+    d = c.diagnostics
+    assert (d["method"], d["layer"], d["budget"], d["tokens_kept"], d["offset"]) == ("cam", 0, 16, 16, 52)
+    assert d["compression_tokens"] == pytest.approx(52 / 16) and d["evictions"] == 52 - 16
+    assert d["score_source"] == "queries" and d["merges"] >= 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -644,7 +772,7 @@ def test_cam_drop_is_bit_identical_to_h2o(models, gate, arch, batch, chunk):
     assert all(mx.array_equal(a, b).item() for a, b in zip(l_cam, l_h2o))
     for a, b in zip(state_arrays(cam), state_arrays(h2o)):  # keys, values, positions, scores
         assert a.dtype == b.dtype and mx.array_equal(a, b).item()
-    assert sum(c.merges for c in cam) == 0 and all(c.evictions > 0 for c in cam)
+    assert sum(merges(c) for c in cam) == 0 and all(c.evictions > 0 for c in cam)
 
 
 def _stories_run(model, tokenizer, text, method, **params):
@@ -668,24 +796,14 @@ def test_real_model_drop_equals_h2o_and_sim_weighted_merges(stories_model, stori
     cam, _ = _stories_run(model, tokenizer, stories_text, "cam")
     h_kv = kvcompress.model_info(model).n_kv_heads
     for c in cam:
-        assert c.score_source == "queries" and c.merge_mode == "sim_weighted" and c.merge_gate
-        assert 0 < c.merges <= c.evictions * h_kv
-        assert c.diagnostics["merges"] == c.merges
+        assert c.score_source == "queries" and c.method.disposition.merge == "sim_weighted"
+        assert c.method.disposition.merge_gate
+        counted = np.array(c._states["disposition"].merges)  # [1, KV heads]
+        assert counted.shape == (1, h_kv) and 0 < counted.sum() <= c.evictions * h_kv
+        assert c.diagnostics["merges"] == pytest.approx(counted.mean())
     # Merging changed the kept values relative to dropping, but not the kept positions' count.
     assert any(not mx.array_equal(a.state[-4], b.state[-4]).item() for a, b in zip(cam, drop))
     assert all(a.size() == b.size() == 32 for a, b in zip(cam, drop))
-
-
-def test_gate_draws_do_not_depend_on_the_batch():
-    """A row's draws are the same alone or inside a batch (indexed hashing, not a shaped draw)."""
-    from kvcompress_cam.merge import gate_uniforms
-
-    alone = gate_uniforms((1, 4, 3), 5, 2, 9)
-    batch = gate_uniforms((3, 4, 3), 5, 2, 9)
-    assert mx.array_equal(batch[:1], alone).item()
-    assert not mx.array_equal(batch[1:2], alone).item()
-    u = np.array(gate_uniforms((64, 32, 16), 0, 0, 0)).ravel()
-    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01
 
 
 def test_sim_weighted_blend_weights_by_attention_prominence():
@@ -702,8 +820,8 @@ def test_sim_weighted_blend_weights_by_attention_prominence():
     offset, s_t = 40, 5.0  # target age 10, loser age 2
     for s_l in (0.0, 0.1, 1.0, 10.0):
         scores = mx.array([[[9.0, 0.0, s_t, s_l]]])
-        ev = kvcompress.Eviction(keys, values, scores, pos, evict, pos < 1, 0, 0, offset=offset)
-        v = np.array(gm.dispose(ev)[1])[0, 0]
+        ev = make_ev(keys, values, scores, evict, pos, n_sink=1, offset=offset)
+        v = np.array(dispose(gm, ev)[1])[0, 0]
         vt, vl = np.array(values)[0, 0, 2], np.array(values)[0, 0, 3]
         w = float((v[2] - vt)[0] / (vl - vt)[0])
         a_l, a_t = s_l / 2, s_t / 10
@@ -728,8 +846,9 @@ def test_compiled_decode_merge_equals_the_eager_one(merge, dtype, monkeypatch):
     for compiled in (True, False):
         monkeypatch.setattr(merge_mod, "_COMPILE", compiled)
         monkeypatch.setattr(merge_mod, "_FNS", {})
-        ev = attrs.evolve(make_ev(keys, values, scores, evict, layer=3, draw_id=11), offset=300)
-        outs.append([np_(x) for x in gm.dispose(ev)])
+        ev = make_ev(keys, values, scores, evict, layer=3, draw_id=11, offset=300)
+        *arrays, n = dispose(gm, ev)
+        outs.append([np_(x) for x in arrays] + [n])
         fn = merge_mod._FNS[(merge, True, True, 4, True, True)]  # the decode function in use
         assert (type(fn).__name__ == "_gc_func") == compiled  # mx.compile's wrapper type
     (kc, vc, sc, nc), (ke, ve, se, ne) = outs

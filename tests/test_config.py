@@ -319,7 +319,7 @@ def test_kvcacheconfig_for_model_gives_one_compressed_cache_per_layer(tiny_model
     for c in caches:
         assert type(c) is CompressedKVCache
         d = c.method.disposition
-        assert (c.budget, c.merge_mode, c.merge_gate, d.merge_keys, d.n_sink, d.seed) == (
+        assert (c.budget, d.merge, d.merge_gate, d.merge_keys, d.n_sink, d.seed) == (
             512, "sim_weighted", True, False, 4, 0)
         assert c.method.selector.n_sink == 4 and c.method.name == "cam"
 
@@ -336,7 +336,7 @@ def test_kvcacheconfig_options_reach_the_caches(tiny_model, over, want):
     cfg = _design_note_config(kvcompress.model_info(tiny_model).head_dim, cam_budget=32, **over)
     for c in KVCacheBuilder.for_model(tiny_model, cfg):
         d = c.method.disposition
-        assert c.budget == 32 and (c.merge_mode, c.merge_gate, d.merge_keys, d.seed) == want
+        assert c.budget == 32 and (d.merge, d.merge_gate, d.merge_keys, d.seed) == want
 
 
 def test_design_note_quick_start_generates():
@@ -397,4 +397,4 @@ def test_make_prompt_cache_with_mlx_lm_generate(stories_model, stories_text):
     for c in cache:
         assert isinstance(c, CompressedKVCache) and c.size() == 64
         assert n_prompt < c.offset <= n_prompt + 12
-        assert c.score_source == "queries" and c.merge_mode == "sim_weighted"
+        assert c.score_source == "queries" and c.method.disposition.merge == "sim_weighted"

@@ -12,7 +12,7 @@ contract catches the bug it is written for.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Optional
 
 import attrs
 import mlx.core as mx
@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcompress
-from kvcompress import ComponentSpec
+from kvcompress import ComponentSpec, rows_field
 from kvcompress.components import KINDS
+from kvcompress.ops import lowest_k
 from kvcompress.testing import (
     ContractCase,
     ContractFailure,
@@ -38,7 +39,13 @@ from kvcompress.testing import (
 kvcompress_contracts = {"dist": "kvcompress"}  # what `contract_case` is parametrized over
 
 RUN_CHECKS = {"budget held", "positions", "protected kept", "float32 scores", "real queries", "deterministic",
-              "save/load", "float16", "exact without eviction", "config round trip"}
+              "save/load", "float16", "exact without eviction", "batched", "config round trip"}
+UNIT_CHECKS = {
+    "scorer": {"observe shape", "float32 scores", "deterministic", "batch rows independent", "empty slots"},
+    "selector": {"protected mask", "select output", "protected never evicted", "empty slots", "row counts"},
+    "disposition": {"dispose output", "protected slots untouched", "empty slots", "batch rows independent"},
+    "budget": {"one budget per layer", "positive int budgets"},
+}
 
 
 def test_builtin_contract(contract_case):
@@ -47,6 +54,11 @@ def test_builtin_contract(contract_case):
     assert {prefix + c for c in RUN_CHECKS} <= set(report.passed), report
     if contract_case.kind != "method":
         assert {"record and protocol", "frozen", "config round trip"} <= set(report.passed)
+        assert UNIT_CHECKS[contract_case.kind] <= set(report.passed), report
+        comp = kvcompress.get_registry().component(contract_case.kind, contract_case.name).cls()
+        init = getattr(comp, "init_state", None)
+        if init is not None and init(kvcompress.LayerInfo()) is not None:  # a state is checked, not skipped
+            assert "state round trip" in report.passed, report
     sel = kvcompress.build_method(contract_case.name).selector if contract_case.kind == "method" else None
     if sel is not None and getattr(sel, "n_sink", 0):
         assert f"sinks kept (n_sink={sel.n_sink})" in report.passed
@@ -77,6 +89,12 @@ def test_chunk_selector_contract_holds_for_any_chunking(chunk, n_sink, recent):
     """Whole chunks, exactly ``evict_count(n_evict)`` slots, none protected, for any sizes."""
     report = check_selector("chunk", run=False, chunk=chunk, n_sink=n_sink, recent=recent)
     assert {"select output", "protected never evicted"} <= set(report.passed)
+
+
+def test_snapkv_window_state_meets_the_state_contract():
+    """With decode re-scoring the SnapKV scorer keeps its query window in its state (per row)."""
+    report = check_scorer("snapkv", run=False, interval=2)
+    assert {"state round trip", "state not mutated", "batch rows independent"} <= set(report.passed)
 
 
 def test_component_parameters_are_validated_before_checking():
@@ -162,16 +180,74 @@ class NotJsonScorer:
 
 @attrs.frozen
 class RandomEveryStep:
-    """Seeded from a step counter kept in ``obs.shared``: state the cache never saves."""
+    """Seeded from a step counter kept in the prompt group's scratch dict: state the cache never
+    saves (a component's state belongs in ``init_state``)."""
 
     requires: ClassVar[frozenset] = frozenset()
     provides: ClassVar[frozenset] = frozenset()
 
     def observe(self, scores, obs):
-        n = obs.shared.setdefault(("random_every_step", obs.layer), [0])
-        n[0] += 1
-        row = mx.random.uniform(shape=scores.shape[1:], key=mx.random.key(n[0]))
-        return mx.broadcast_to(row, scores.shape)
+        scratch = obs.group.scratch if obs.group is not None else {}
+        n = scratch.setdefault(("random_every_step", obs.layer.layer), [0])
+        n[0] += 1  # a pseudo-random score per position, different at every step
+        return mx.sin(obs.positions.astype(mx.float32) * 12.9898 + n[0] * 78.233)
+
+
+@attrs.define
+class StepCount:
+    steps: Optional[mx.array] = rows_field()
+
+
+@attrs.frozen
+class InPlaceCounter:
+    """Counts steps per row in its state, but bumps the counter array in place: the cache keeps
+    the state it handed over to undo a step (trim), and that one changes too."""
+
+    requires: ClassVar[frozenset] = frozenset({"queries"})
+    provides: ClassVar[frozenset] = frozenset()
+
+    def init_state(self, layer):
+        return StepCount()
+
+    def observe(self, scores, obs):
+        if obs.state.steps is None:
+            obs.state = StepCount(steps=mx.zeros((scores.shape[0],), mx.int32))
+        else:
+            obs.state.steps[...] = obs.state.steps + 1
+        return scores + mass(obs)
+
+
+@attrs.define
+class Opaque:
+    handle: Any = None
+
+
+@attrs.frozen
+class UnsaveableState:
+    """Keeps a Python object in its state: it cannot go into ``cache.state``."""
+
+    requires: ClassVar[frozenset] = frozenset({"queries"})
+    provides: ClassVar[frozenset] = frozenset()
+
+    def init_state(self, layer):
+        return Opaque(handle=object())
+
+    def observe(self, scores, obs):
+        return scores + mass(obs)
+
+
+@attrs.frozen
+class LooksAtOtherRowsPadding:
+    """Uses the batch's step size where it means the row's: every row scores as if all of the
+    step's tokens were real (right padding counted)."""
+
+    requires: ClassVar[frozenset] = frozenset({"queries"})
+    provides: ClassVar[frozenset] = frozenset()
+
+    def observe(self, scores, obs):
+        from kvcompress.ops import attention_mass
+
+        return scores + attention_mass(obs.queries, obs.keys, obs.scale, obs.positions, obs.query_positions)
 
 
 @pytest.mark.parametrize(
@@ -183,6 +259,9 @@ class RandomEveryStep:
         (Float16Overflow, "finite scores"),
         (MutableScorer, "frozen"),
         (NotJsonScorer, "serialisable parameters"),
+        (InPlaceCounter, "state not mutated"),
+        (UnsaveableState, "state round trip"),
+        (LooksAtOtherRowsPadding, "batch rows independent"),
     ],
 )
 def test_catches_broken_scorer(cls, broken):
@@ -228,10 +307,45 @@ class TooManyReserved(IgnoresProtection):
         return budget
 
 
+@attrs.frozen
+class UnorderedRowCounts(IgnoresProtection):
+    """Evicts the right slots when rows free the same count, but hands rows that free fewer an
+    arbitrary subset of its choice instead of its choice in priority order."""
+
+    def select(self, sel):
+        key = mx.where(sel.protected, mx.inf, sel.scores)
+        idx = lowest_k(key, sel.positions, sel.n_evict, ordered=True)
+        return idx[..., ::-1] if sel.row_counts is not None else idx  # least evictable first
+
+
+@attrs.frozen
+class SelectsEmptySlots(IgnoresProtection):
+    """Protects its sinks by position but ignores the cache's protected mask: an empty slot
+    (position -1, lowest 'score' of all) is chosen."""
+
+    def select(self, sel):
+        sinks = (sel.positions >= 0) & (sel.positions < self.n_sink)
+        return lowest_k(mx.where(sinks, mx.inf, sel.positions.astype(mx.float32)), sel.positions, sel.n_evict)
+
+
+@attrs.frozen
+class IntBudgetOnly(IgnoresProtection):
+    """Reads the budget as one int: with rows of different budgets (a [B, 1, 1] array) every
+    row gets row 0's recent window."""
+
+    def protected(self, positions, offset, budget):
+        b = int(budget.reshape(-1)[0].item()) if isinstance(budget, mx.array) else budget
+        return (positions < self.n_sink) | (positions >= offset - b // 4)
+
+    def reserved(self, budget):
+        return self.n_sink + budget // 4
+
+
 @pytest.mark.parametrize(
     "cls, broken",
     [(IgnoresProtection, "protected never evicted"), (EvictsOneSlotTwice, "select output"),
-     (TooManyReserved, "reserved")],
+     (TooManyReserved, "reserved"), (UnorderedRowCounts, "row counts"), (SelectsEmptySlots, "empty slots"),
+     (IntBudgetOnly, "protected mask")],
 )
 def test_catches_broken_selector(cls, broken):
     with pytest.raises(ContractFailure, match=f"contract '{broken}' broken"):
@@ -248,7 +362,19 @@ class MergeIntoSink:
     def dispose(self, ev):
         lost = mx.take_along_axis(ev.values, ev.evict[..., None], axis=2).mean(axis=2, keepdims=True)
         values = mx.concatenate([ev.values[:, :, :1] + lost, ev.values[:, :, 1:]], axis=2)
-        return ev.keys, values, ev.scores, mx.array(0, mx.int32)
+        return ev.keys, values, ev.scores
+
+
+@attrs.frozen
+class MergeIntoEmpty:
+    """Parks every evicted value in the row's empty slots (position -1): nothing may go there."""
+
+    requires: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset()
+
+    def dispose(self, ev):
+        lost = mx.take_along_axis(ev.values, ev.evict[..., None], axis=2).mean(axis=2, keepdims=True)
+        return ev.keys, mx.where((ev.positions < 0)[..., None], lost, ev.values), ev.scores
 
 
 @attrs.frozen
@@ -258,16 +384,56 @@ class UnseededNoise:
 
     def dispose(self, ev):
         noise = mx.random.uniform(shape=ev.scores.shape)
-        return ev.keys, ev.values, ev.scores + 0.01 * mx.where(ev.protected, 0.0, noise), None
+        return ev.keys, ev.values, ev.scores + 0.01 * mx.where(ev.protected, 0.0, noise)
 
 
 @attrs.frozen
-class CountsTooMany:
+class OldFourTuple:
+    """The v1 protocol: a merge count as a fourth value."""
+
     requires: ClassVar[frozenset] = frozenset()
     provides: ClassVar[frozenset] = frozenset()
 
     def dispose(self, ev):
-        return ev.keys, ev.values, ev.scores, mx.array(ev.evict.size + 1, mx.int32)
+        return ev.keys, ev.values, ev.scores, mx.array(0, mx.int32)
+
+
+@attrs.frozen
+class IgnoresReal:
+    """Zeroes the values of every listed slot, including the entries ``ev.real`` says stay (a
+    row that frees fewer slots than the others loses a survivor)."""
+
+    requires: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset()
+
+    def dispose(self, ev):
+        idx = ev.evict[..., None]
+        zero = mx.zeros(ev.evict.shape + (ev.values.shape[-1],), ev.values.dtype)
+        gone = mx.put_along_axis(ev.values, mx.broadcast_to(idx, zero.shape), zero, axis=2)
+        return ev.keys, gone, ev.scores
+
+
+@attrs.define
+class BatchWideCount:
+    evicted: Optional[mx.array] = None  # per row, but not declared with rows_field
+
+
+@attrs.frozen
+class UndeclaredRows:
+    """Counts evictions per row in an array not declared as a rows field: a batch row's state
+    then is the whole batch's."""
+
+    requires: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset()
+
+    def init_state(self, layer):
+        return BatchWideCount()
+
+    def dispose(self, ev):
+        n = mx.array(list(ev.counts), dtype=mx.int32)
+        prev = ev.state.evicted
+        ev.state = BatchWideCount(evicted=n if prev is None else prev + n)
+        return ev.keys, ev.values, ev.scores
 
 
 @attrs.frozen
@@ -278,7 +444,7 @@ class SkewedView:
     provides: ClassVar[frozenset] = frozenset()
 
     def dispose(self, ev):
-        return ev.keys, ev.values, ev.scores, None
+        return ev.keys, ev.values, ev.scores
 
     def view_keys(self, state, keys, positions, offset):
         return keys * 1.01
@@ -286,8 +452,9 @@ class SkewedView:
 
 @pytest.mark.parametrize(
     "cls, broken",
-    [(MergeIntoSink, "protected slots untouched"), (UnseededNoise, "deterministic"),
-     (CountsTooMany, "merge count"), (SkewedView, "exact without eviction")],
+    [(MergeIntoSink, "protected slots untouched"), (MergeIntoEmpty, "empty slots"),
+     (UnseededNoise, "deterministic"), (OldFourTuple, "dispose output"), (IgnoresReal, "batch rows independent"),
+     (UndeclaredRows, "batch rows independent"), (SkewedView, "exact without eviction")],
 )
 def test_catches_broken_disposition(cls, broken):
     with pytest.raises(ContractFailure, match=f"contract '{broken}' broken"):
@@ -319,9 +486,39 @@ def test_catches_broken_budget(cls, broken):
 
 def test_catches_a_cache_that_outgrows_its_budget(monkeypatch):
     """The per-step budget rule is checked on the real cache, not assumed."""
-    monkeypatch.setattr(kvcompress.CompressedKVCache, "_n_evict", lambda self, S: 0)
+    from kvcompress._engine import _Engine
+
+    monkeypatch.setattr(_Engine, "_evict", lambda self, need: None)  # never frees a slot
     with pytest.raises(ContractFailure, match="contract 'budget held' broken"):
         check_method("h2o")
+
+
+def test_catches_a_cache_whose_batch_rows_diverge(monkeypatch):
+    """Batched generation is compared with each row's solo run, not assumed."""
+    from kvcompress import BatchCompressedKVCache
+
+    monkeypatch.setattr(BatchCompressedKVCache, "_seen", lambda self: self._rows_off)  # counts right padding
+    with pytest.raises(ContractFailure, match="contract 'batched' broken: row 1"):
+        check_method("streaming_llm_shift")
+
+
+@attrs.frozen
+class InitSate:
+    """A typo of a hook name would be silently ignored; the record refuses it."""
+
+    requires: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset()
+
+    def init_sate(self, layer):
+        return None
+
+    def observe(self, scores, obs):
+        return scores
+
+
+def test_near_miss_hook_names_are_refused_when_registering():
+    with pytest.raises(ValueError, match="'init_sate' looks like 'init_state'"):
+        spec("scorer", "typo", InitSate)
 
 
 def test_unknown_names_and_bad_compositions_fail_clearly():
@@ -352,7 +549,8 @@ class ForgetsSinks(IgnoresProtection):
         return positions < 0
 
     def select(self, sel):
-        return mx.argpartition(sel.positions, kth=sel.n_evict - 1, axis=-1)[..., : sel.n_evict]
+        key = mx.where(sel.protected, mx.inf, sel.positions.astype(mx.float32))  # empty slots stay
+        return lowest_k(key, sel.positions, sel.n_evict)
 
 
 def test_catches_a_selector_that_drops_its_sinks():

@@ -93,11 +93,13 @@ def test_every_hook_has_a_page_with_signature_and_example(hook):
 
 
 @pytest.mark.parametrize("hook", HOOKS)
-def test_hook_example_runs_and_passes_the_contract(hook):
-    """The Example section's blocks, run in order in one module, define the hook; what it returns
+def test_hook_example_runs_and_passes_the_contract(hook, monkeypatch):
+    """The Example section's blocks, run in order in one importable module (as a plugin's code
+    is: a saved component state names its class by module), define the hook; what it returns
     registers, and the page's own contract check (its last block) passes."""
     page = DOCS / "hooks" / f"{hook}.md"
     mod = types.ModuleType(f"docs_example_{hook}")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
     codes = [code for sec, lang, _, code in blocks(page.read_text()) if "Example" in sec and lang == "python"]
     assert any("kvcompress.testing.check_" in c for c in codes), "the example ends with a contract check"
     for code in codes:

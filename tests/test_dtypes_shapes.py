@@ -4,7 +4,8 @@
   cache keeps the model's dtype for keys/values and float32 for scores, for every method.
 * GQA ratios 1, 2, 4 (``n_kv_heads = heads, heads/2, heads/4``) with batch 2.
 * Batch rows are independent: each (batch, head) chooses its own evictions, so a row of a batch
-  gives the logits of that prompt run alone (for methods without random draws).
+  gives the logits of that prompt run alone -- CaM's gate included (its draws are keyed by the
+  row's own facts: tokens seen and loser positions, never the row index).
 """
 
 from __future__ import annotations
@@ -80,15 +81,13 @@ def test_every_method_finite_in_half_precision_with_gqa(method):
 @pytest.mark.parametrize(
     "method,params",
     [("h2o", {"n_sink": 1, "recent_ratio": 0.0}),
+     ("cam", {"n_sink": 1, "recent_ratio": 0.0}),
      ("cam", {"n_sink": 1, "recent_ratio": 0.0, "merge_gate": False})],
-    ids=["h2o", "cam-nogate"],
+    ids=["h2o", "cam", "cam-nogate"],
 )
 def test_batch_rows_are_independent(method, params, gqa):
-    """A row of a batch-2 run equals the same prompt run alone (evictions are per row and head).
-
-    CaM's seeded gate draws one uniform per (row, head) from one key, so its draws depend on the
-    batch size; the gate is disabled here to test the cache itself.
-    """
+    """A row of a batch-2 run equals the same prompt run alone (evictions are per row and head;
+    CaM's gate draws are keyed by the row's tokens seen and loser positions, not its index)."""
     model = sharpen(tiny_llama(heads=HEADS, kv_heads=HEADS // gqa, seed=10 + gqa))
     both = make_caches(model, method, 10, **params)
     budget = both[0].budget
@@ -102,6 +101,9 @@ def test_batch_rows_are_independent(method, params, gqa):
             np.testing.assert_allclose(a[row], b[0], atol=1e-4, rtol=0)
         for cb, ca in zip(both, alone):
             assert np.array_equal(np.sort(np.array(cb._pos[row]), -1), np.sort(np.array(ca._pos[0]), -1))
+    if method == "cam":  # the merges (and, with the gate, its draws) were exercised
+        counted = np.array(both[0]._states["disposition"].merges)
+        assert counted.shape == (2, both[0].keys.shape[1]) and counted.sum() > 0
     # the two rows saw different tokens, so somewhere they kept different positions
     assert any(
         not np.array_equal(np.sort(np.array(c._pos[0]), -1), np.sort(np.array(c._pos[1]), -1)) for c in both

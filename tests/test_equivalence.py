@@ -9,7 +9,8 @@
   every stored token, causal among themselves"; ``make_mask(N, return_array=True)``, asked
   before the step, is that mask for the layout the step attends; and a model that builds one
   array mask per forward (gemma2-style) gives the ``"causal"`` logits even when layers keep
-  different numbers of tokens (per-layer budgets, whole-chunk eviction).
+  different numbers of tokens (per-layer budgets, whole-chunk eviction): the cache replaces
+  the model's mask with its own exact one, built from the slot positions.
 * Eviction is deferred: a chunk longer than the budget is attended in full by its own step.
 
 The references are :class:`PinnedCache` (holds exactly the K/V it is given, RoPE offset set by the
@@ -418,9 +419,10 @@ def test_models_that_build_array_masks_match_causal(method, monkeypatch):
     from mlx_lm.models import llama
 
     model, cache, _, _ = _evicted_two_layer(method, 1, seed=13)
-    twin = [CompressedKVCache.from_state(c.state) for c in cache]  # same contents
+    twin = [CompressedKVCache.from_state(c.state) for c in cache]  # same contents, one new group
+    assert twin[0].group is twin[1].group and twin[0].group is not cache[0].group
     for a, b in zip(cache, twin):
-        b.shared, b.budget = a.shared, a.budget
+        assert b.budget == a.budget and b.state[-1] == a.state[-1]  # budgets and states travel
     tokens = token_ids(sum(CHUNK_SIZES), 97, seed=14)[None]
     causal = []
     i = 0

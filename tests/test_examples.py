@@ -105,7 +105,8 @@ def run_script(name: str, args: list[str], monkeypatch, capsys) -> str:
 
 SCRIPTS = {
     "generate_compressed.py": (["--method", "cam", "--budget", "24", "--max-tokens", "40"],
-                               r"layer 0: kept 24 of (\d+) tokens .* (\d+) evicted, \d+ merged, scores from queries"),
+                               r"layer 0: kept 24 of (\d+) tokens \(([\d.]+)x fewer tokens, ([\d.]+)x fewer bytes "
+                               r".* (\d+) evicted, ([\d.]+) merged per KV head, scores from queries"),
     "compose_method.py": (["--budget", "40", "--max-tokens", "30"], r"layer budgets: \[(\d+(?:, \d+){4})\]"),
     "save_load_cache.py": (["--budget", "24", "--max-tokens", "20"], r"continuations identical: (True)"),
 }
@@ -122,8 +123,10 @@ def test_example_script_runs(name, stories_path, monkeypatch, capsys):
     m = re.search(pattern, out)
     assert m, out
     if name == "generate_compressed.py":
-        seen, evicted = int(m.group(1)), int(m.group(2))
+        seen, evicted = int(m.group(1)), int(m.group(4))
         assert seen > 24 and evicted == seen - 24
+        assert float(m.group(2)) == pytest.approx(seen / 24, abs=0.01) and float(m.group(3)) > 1
+        assert 0 <= float(m.group(5)) <= evicted
     if name == "compose_method.py":
         budgets = [int(b) for b in m.group(1).split(", ")]
         assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]  # a pyramid

@@ -85,11 +85,7 @@ def test_batch_rows_match_single_row_runs(method):
     model = tiny_llama(n_layers=2, seed=3)
     batch = tokens(56, batch=2, seed=3)
 
-    params = dict(SMALL[method])
-    if method == "snapkv_merge":
-        # CaM's Bernoulli gate draws one uniform array per round shaped [B, H, E], so a row's
-        # draws depend on the batch size; the ungated merge is deterministic per row.
-        params["merge_gate"] = False
+    params = dict(SMALL[method])  # snapkv_merge keeps CaM's gate: its draws are per row
 
     def feed(x):
         cache = kvcompress.make_prompt_cache(model, method, **params)
@@ -99,6 +95,8 @@ def test_batch_rows_match_single_row_runs(method):
 
     both, cache = feed(batch)
     assert all(c.evictions > 0 for c in cache)
+    if cache[0].method.config.disposition.name == "gated_merge":  # the gated merges happened
+        assert sum(int(mx.sum(c._states["disposition"].merges)) for c in cache) > 0
     for row in range(2):
         alone, _ = feed(batch[row : row + 1])
         assert np.abs(np.array(both[row]) - np.array(alone[0])).max() < 1e-4
@@ -155,3 +153,41 @@ def test_stream_generate_on_trained_model(method, stories_model, stories_text):
     assert n_prompt > 2 * params["budget"]
     for c in cache:
         assert c.evictions > 0 and c.score_source == "queries" and c.size() <= c.budget
+
+
+def _batch_generate(model, prompts, caches, n_tokens, step):
+    """mlx-lm's continuous batching (``BatchGenerator``): the per-sequence caches are merged
+    into one batch cache, prompts of different lengths are right-padded chunk by chunk."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n_tokens, prefill_step_size=step)
+    uids = gen.insert(prompts, caches=caches)
+    toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
+    for _ in range(10 * n_tokens + 100):
+        _, responses = gen.next()
+        for r in responses:
+            toks[r.uid].append(r.token)
+            lps[r.uid].append(r.logprobs)
+        if all(len(toks[u]) >= n_tokens for u in uids):
+            break
+    gen.close()
+    return [(toks[u], mx.stack(lps[u])) for u in uids]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_generator_rows_of_different_lengths_match_single_runs(method):
+    """Rows of different lengths batched by mlx-lm (merge, right-padded prompt chunks, finalize)
+    generate what each prompt generates alone: same tokens, same log-probabilities. In a chunk
+    that right-pads a row, the components see the tokens the row has really seen (a shifted
+    key, a gate draw, a recent window do not count the padding)."""
+    model = tiny_llama(n_layers=2, seed=5)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (61, 45, 23)]
+    step, n_tokens = 9, 6
+    alone = [run_generate(model, kvcompress.make_prompt_cache(model, method, **SMALL[method]),
+                          mx.array(p), n_tokens, step) for p in prompts]
+    caches = [kvcompress.make_prompt_cache(model, method, **SMALL[method]) for _ in prompts]
+    batched = _batch_generate(model, prompts, caches, n_tokens, step)
+    for (t, lp), (ref_t, ref_lp) in zip(batched, alone):
+        assert t == ref_t
+        assert float(mx.abs(lp - ref_lp).max()) < 1e-4

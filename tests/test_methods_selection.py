@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -54,7 +55,7 @@ class Driver:
         k, v = self._rand(self.b, self.hkv, s, D), self._rand(self.b, self.hkv, s, D)
         q = self._rand(self.b, self.hq, s, D)
         keys, _ = self.cache.update_and_fetch(k, v)
-        self.cache.observe(q, SCALE, "causal" if s > 1 else None)
+        self.cache.observe(q, SCALE)
         self.queries.append(np.array(q))
         return np.array(keys)
 
@@ -210,6 +211,47 @@ def test_snapkv_decode_interval_rescores_in_position_order():
         assert (np.sort(pos, -1)[..., -w:] == np.arange(off - w, off)).all()  # window kept
     assert events == 4
     assert not (np.diff(d.pos, axis=-1) > 0).all(), "slot reuse should have scrambled slot order"
+
+
+def test_snapkv_row_events_follow_the_row_not_the_batch():
+    """In a right-padded batch chunk a row that brings one real token has a decode step (no
+    re-scoring with interval 0), one that brings several has a chunk: each row scores exactly as
+    it does alone."""
+    from kvcompress import BatchCompressedKVCache
+
+    m = kvcompress.build_method("snapkv", budget=64, recent=4, kernel=3, pooling="avg")
+    rng = np.random.default_rng(7)
+
+    def rand(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    k1, v1, q1 = rand(2, 2, 12, D), rand(2, 2, 12, D), rand(2, 4, 12, D)
+    k2, v2, q2 = rand(2, 2, 5, D), rand(2, 2, 5, D), rand(2, 4, 5, D)
+    batch = BatchCompressedKVCache.merge([CompressedKVCache(m, 64), CompressedKVCache(m, 64)])
+    batch.update_and_fetch(k1, v1)
+    batch.observe(q1, SCALE)
+    batch.prepare(lengths=[5, 1], right_padding=[0, 4])
+    batch.update_and_fetch(k2, v2)
+    batch.observe(q2, SCALE)
+    batch.finalize()
+    assert batch.offset.tolist() == [17, 13]
+    for r, n in ((0, 5), (1, 1)):
+        solo = CompressedKVCache(m, 64)
+        solo.update_and_fetch(k1[r : r + 1], v1[r : r + 1])
+        solo.observe(q1[r : r + 1], SCALE)
+        before = np.array(solo._score)
+        solo.update_and_fetch(k2[r : r + 1, :, :n], v2[r : r + 1, :, :n])
+        solo.observe(q2[r : r + 1, :, :n], SCALE)
+        if n == 1:  # a decode step leaves the chunk's scores, the new token enters at 0
+            np.testing.assert_array_equal(np.array(solo._score)[..., :12], before)
+        pos, score = np.array(batch._pos[r]), np.array(batch._score[r])
+        for h in range(2):
+            got = dict(zip(pos[h].tolist(), score[h].tolist()))
+            got.pop(-1, None)
+            want = dict(zip(np.array(solo._pos[0, h]).tolist(), np.array(solo._score[0, h]).tolist()))
+            assert sorted(got) == sorted(want)
+            np.testing.assert_allclose([got[p] for p in sorted(want)], [want[p] for p in sorted(want)],
+                                       rtol=1e-5, atol=1e-6)
 
 
 def test_snapkv_rejects_even_kernel():
@@ -408,7 +450,9 @@ def _rope_each(rope, x, positions):
 
 @pytest.mark.parametrize("traditional", [False, True])
 def test_shift_rotates_keys_to_contiguous_positions(traditional):
+    from kvcompress._state import flatten_state, restore_state
     from kvcompress_streaming_llm import PositionShift, rope_params
+    from kvcompress_streaming_llm.shift import ShiftState
 
     rope = nn.RoPE(D, traditional=traditional, base=500.0)
     rng = np.random.default_rng(6)
@@ -416,19 +460,23 @@ def test_shift_rotates_keys_to_contiguous_positions(traditional):
     pos = np.stack([np.stack([rng.permutation([0, 1, 5, 9, 12, 13]) for _ in range(2)]) for _ in range(2)])
     stored = mx.array(_rope_each(rope, k0, pos))
     disp = PositionShift()
-    state = disp.init_state()
-    state.rope = rope_params(rope)
-    offset = 14
+    fresh = disp.init_state(kvcompress.LayerInfo())
+    assert fresh == ShiftState() and not fresh.shifted  # nothing evicted: nothing to shift
+    assert disp.view_keys(attrs.evolve(fresh, rope=rope_params(rope)), stored, mx.array(pos, dtype=mx.int32),
+                          mx.full((2, 1, 1), 14, mx.int32)) is stored
+    state = ShiftState(rope=rope_params(rope), shifted=True)  # bound to the model, after an eviction
+    offset = mx.full((2, 1, 1), 14, mx.int32)
     view = disp.view_keys(state, stored, mx.array(pos, dtype=mx.int32), offset)
     rank = np.argsort(np.argsort(pos, -1), -1)
-    np.testing.assert_allclose(np.array(view), _rope_each(rope, k0, offset - 6 + rank), atol=2e-5)
+    np.testing.assert_allclose(np.array(view), _rope_each(rope, k0, 14 - 6 + rank), atol=2e-5)
     # StreamingLLM: query at the cache length n, keys at their ranks 0..n-1 -- same logits
     q0 = mx.array(rng.standard_normal((2, 2, 1, D)).astype(np.float32))
-    ours = np.array(rope(q0, offset=offset - 1) @ view.swapaxes(-1, -2))
+    ours = np.array(rope(q0, offset=14 - 1) @ view.swapaxes(-1, -2))
     ref = np.array(rope(q0, offset=5) @ mx.array(_rope_each(rope, k0, rank)).swapaxes(-1, -2))
     np.testing.assert_allclose(ours, ref, atol=2e-5)
-    # the rotation survives save/load through the disposition's state arrays
-    restored = disp.restore_state(disp.state_arrays(state))
+    # the rotation survives save/load: the state flattens into cache.state and restores
+    restored = restore_state(disp, *flatten_state(state))
+    assert restored.shifted and restored.rope == state.rope
     assert mx.array_equal(disp.view_keys(restored, stored, mx.array(pos, dtype=mx.int32), offset), view)
 
 

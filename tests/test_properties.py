@@ -101,12 +101,13 @@ def drive(scn: dict, check: bool = True):
         decode = i >= len(steps) - scn["n_decode"]
         n_before, ev_before = c.size(), c.evictions
         if check and c.size():
-            prot = np.array(c.method.selector.protected(c._pos, c.offset, c.budget))
+            seen = mx.full((scn["batch"], 1, 1), c.offset, mx.int32)  # [B, 1, 1], as the cache passes it
+            prot = np.array(c.method.selector.protected(c._pos, seen, c.budget))
             pos_before = np.array(c._pos)
-        mask = c.make_mask(S)
+        assert c.make_mask(S) == (None if S == 1 else "causal")
         arr = c.make_mask(S, return_array=True) if S > 1 else None
         k_out, v_out = c.update_and_fetch(mx.array(keys[:, :, off : off + S]), mx.array(values[:, :, off : off + S]))
-        c.observe(mx.array(queries[:, :, off : off + S]), D**-0.5, mask)
+        c.observe(mx.array(queries[:, :, off : off + S]), D**-0.5)
         off += S
         if not check:
             continue
@@ -184,8 +185,9 @@ def test_same_inputs_give_identical_caches(scn, method):
 
 
 def test_cam_seeded_gate_reproducible_and_seed_dependent():
-    """CaM's Bernoulli gate draws from (seed, layer, round): the same seed reproduces the cache
-    bit for bit (values after merges included); another seed draws other gates."""
+    """CaM's Bernoulli gate draws from (seed, layer, KV head, tokens seen, loser position): the
+    same seed reproduces the cache bit for bit (values after merges included); another seed
+    draws other gates."""
     model = tiny_llama(n_layers=1, hidden=H_Q * D, heads=H_Q, kv_heads=H_KV)
     keys, values, queries = _data(5, 2, 80)
 
@@ -194,9 +196,9 @@ def test_cam_seeded_gate_reproducible_and_seed_dependent():
         for i in range(80):
             sl = slice(i, i + 1)
             c.update_and_fetch(mx.array(keys[:, :, sl]), mx.array(values[:, :, sl]))
-            c.observe(mx.array(queries[:, :, sl]), D**-0.5, None)
+            c.observe(mx.array(queries[:, :, sl]), D**-0.5)
         k, v = c.keys_and_values()
-        return c.merges, np.array(c._pos), np.array(v), np.array(c._score)
+        return int(mx.sum(c._states["disposition"].merges)), np.array(c._pos), np.array(v), np.array(c._score)
 
     a, b, other = run(0), run(0), run(1)
     assert a[0] > 0, "no merge happened, the gate was never exercised"

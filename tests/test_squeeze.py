@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 import kvcompress
 from kvcompress import ConfigError, build_method
-from kvcompress_squeeze import SqueezeBudget, kmeans_1d, squeeze_budgets, unbind
+from kvcompress_squeeze import SqueezeBudget, SqueezeState, kmeans_1d, squeeze_budgets
 
 from conftest import tiny_llama
 
@@ -23,9 +23,18 @@ L, BUDGET = 6, 32
 
 @pytest.fixture
 def model6():
-    m = tiny_llama(n_layers=L, hidden=64, heads=4, kv_heads=2, seed=4)
-    yield m
-    unbind(m)
+    return tiny_llama(n_layers=L, hidden=64, heads=4, kv_heads=2, seed=4)
+
+
+def similarity(cache) -> list[float]:
+    """Each layer's prompt similarity (row 0), as its budget's state recorded it."""
+    out = []
+    for c in cache:
+        st = c._states["budget"]
+        assert isinstance(st, SqueezeState) and st.cos is not None and st.cos.shape == (1,)
+        assert c.diagnostics["squeeze_similarity"] == pytest.approx(float(st.cos[0]))
+        out.append(float(st.cos[0]))
+    return out
 
 
 def _generate(model, prompt, cache, n, prefill_step_size=64):
@@ -100,12 +109,14 @@ def test_prompt_similarity_matches_direct_computation_and_sets_budgets(model6):
     plain = kvcompress.make_prompt_cache(model6, "h2o", budget=BUDGET)
     first = model6(prompt[None, :64], cache=cache)
     assert mx.array_equal(first, model6(prompt[None, :64], cache=plain))  # observing changes nothing
-    info = cache[0].shared["squeeze"]
-    np.testing.assert_allclose(info["similarity"], _reference_similarity(prompt[:64]), atol=1e-5)
+    sims = np.asarray(similarity(cache))
+    np.testing.assert_allclose(sims, _reference_similarity(prompt[:64]), atol=1e-5)
     budgets = [c.budget for c in cache]
-    assert budgets == info["budgets"] and sum(budgets) == L * BUDGET
+    sel = kvcompress.build_method("squeeze").selector
+    min_b = next(b for b in range(1, BUDGET) if sel.reserved(b) < b)  # the smallest evictable budget
+    assert budgets == squeeze_budgets(sims.tolist(), BUDGET, 0.4, min_budget=min_b)
+    assert sum(budgets) == L * BUDGET
     assert len(set(budgets)) > 1
-    sims = np.asarray(info["similarity"])
     assert sims[np.argmax(sims)] == sims[np.asarray(budgets) == min(budgets)].max()
     assert all(c.evictions == 0 for c in cache)  # budgets were set before any eviction
     model6(prompt[None, 64:], cache=cache)
@@ -139,16 +150,29 @@ def test_any_token_policy_inside_layers(model6, scorer, disposition):
     assert [c.size() for c in cache] == budgets
 
 
-def test_rebinding_observes_each_prompt_cache_and_unbind_restores(model6):
+def test_each_prompt_cache_observes_its_own_prompt_and_the_hook_is_stateless(model6):
+    """The layer-I/O hook holds no state: every prompt cache observes its own first forward, and
+    other caches on the same model (plain mlx-lm ones included) run exactly as before."""
+    fresh = tiny_llama(n_layers=L, hidden=64, heads=4, kv_heads=2, seed=4)
     a = kvcompress.make_prompt_cache(model6, "squeeze", budget=BUDGET)
     model6(mx.random.randint(0, 97, (1, 50), key=mx.random.key(4)), cache=a)
     b = kvcompress.make_prompt_cache(model6, "squeeze", budget=2 * BUDGET)
     model6(mx.random.randint(0, 97, (1, 50), key=mx.random.key(5)), cache=b)
     assert sum(c.budget for c in a) == L * BUDGET and sum(c.budget for c in b) == 2 * L * BUDGET
-    assert a[0].shared["squeeze"]["similarity"] != b[0].shared["squeeze"]["similarity"]
-    assert type(model6.layers[0]).__name__ == "SqueezeTransformerBlock"
-    unbind(model6)
-    assert type(model6.layers[0]) is llama.TransformerBlock and type(model6.layers[0].self_attn) is llama.Attention
+    assert similarity(a) != similarity(b)
+    blk = model6.layers[0]
+    assert isinstance(blk, llama.TransformerBlock) and type(blk) is not llama.TransformerBlock
+    assert isinstance(blk.self_attn, llama.Attention)
+    x = mx.random.randint(0, 97, (1, 30), key=mx.random.key(6))
+    plain = [KVCache() for _ in range(L)]
+    assert mx.array_equal(model6(x, cache=plain), fresh(x, cache=[KVCache() for _ in range(L)]))
+    h2o = kvcompress.make_prompt_cache(model6, "h2o", budget=BUDGET)
+    h2o_fresh = kvcompress.make_prompt_cache(fresh, "h2o", budget=BUDGET)
+    assert mx.array_equal(model6(x, cache=h2o), fresh(x, cache=h2o_fresh))
+    # a prompt cache observes only its first forward: later forwards leave the budgets alone
+    before = ([c.budget for c in a], similarity(a))
+    model6(x, cache=a)
+    assert ([c.budget for c in a], similarity(a)) == before
 
 
 def test_save_load_keeps_squeezed_budgets(model6, tmp_path):
@@ -174,18 +198,37 @@ def test_non_llama_blocks_fail_clearly():
             self.layers = [Block(), Block()]
 
     with pytest.raises(ConfigError, match="input_layernorm and self_attn"):
-        SqueezeBudget().bind(Model(), [object(), object()])
+        kvcompress.make_prompt_cache(Model(), "squeeze", budget=BUDGET)
 
 
 def test_real_model_budgets(stories_model, stories_text):
     model, tok = stories_model
     ids = mx.array(tok.encode(stories_text[:3000]))[:300]
-    try:
-        cache = kvcompress.make_prompt_cache(model, "squeeze", budget=64)
-        _generate(model, ids, cache, 3, prefill_step_size=128)
-        sims = cache[0].shared["squeeze"]["similarity"]
-        budgets = [c.budget for c in cache]
-        assert all(0.0 < s < 1.0 for s in sims)
-        assert sum(budgets) == len(model.layers) * 64 and len(set(budgets)) > 1
-    finally:
-        unbind(model)
+    cache = kvcompress.make_prompt_cache(model, "squeeze", budget=64)
+    _generate(model, ids, cache, 3, prefill_step_size=128)
+    sims = similarity(cache)
+    budgets = [c.budget for c in cache]
+    assert all(0.0 < s < 1.0 for s in sims)
+    assert sum(budgets) == len(model.layers) * 64 and len(set(budgets)) > 1
+
+
+def test_batch_rows_get_their_own_budgets_and_run_as_alone(model6):
+    """Budgets are per row: a batch of two prompts squeezes each row by its own similarities,
+    and every row then decodes exactly as that prompt does alone (rows free different counts)."""
+    x = mx.array(np.random.default_rng(0).integers(0, 97, (2, 90)), dtype=mx.int32)
+
+    def run(tokens):
+        cache = kvcompress.make_prompt_cache(model6, "squeeze", budget=BUDGET)
+        outs = [model6(tokens[:, :64], cache=cache)[:, -1]]
+        outs += [model6(tokens[:, i : i + 1], cache=cache)[:, -1] for i in range(64, 90)]
+        return mx.stack(outs, axis=1), cache
+
+    both, cache = run(x)
+    rows = [list(c._rows_budget) for c in cache]  # [layer][row]
+    assert all(sum(layer[r] for layer in rows) == L * BUDGET for r in range(2))
+    assert any(a != b for a, b in rows), "the two prompts should squeeze different layers"
+    for r in range(2):
+        alone, solo = run(x[r : r + 1])
+        assert [c.budget for c in solo] == [layer[r] for layer in rows]
+        assert [c.tokens_kept for c in solo] == [c._rows_n[r] for c in cache]
+        assert float(mx.abs(both[r] - alone[0]).max()) < 1e-5

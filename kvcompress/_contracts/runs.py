@@ -4,10 +4,11 @@
 decode) with caches from :func:`kvcompress.make_prompt_cache` and checks:
 
 * **budget held** -- every ``update_and_fetch`` of ``S`` tokens leaves at most ``budget - 1 + S``
-  slots (exactly ``n + S`` while under budget), returns exactly the stored slots, and advances
-  ``offset`` by ``S``; after the final decode step at most ``budget`` are stored, exactly
-  ``budget`` for selectors that evict exactly ``n_evict`` slots;
-* **positions** -- each row stores distinct positions below ``offset``, including the newest;
+  tokens held (exactly ``n + S`` while under budget), returns exactly the stored slots (held
+  and empty), and advances ``offset`` by ``S``; after the final decode step at most ``budget``
+  are held, exactly ``budget`` for selectors that evict exactly ``n_evict`` slots;
+* **positions** -- each row holds distinct positions below ``offset``, including the newest;
+  every other slot is empty (position ``-1``);
 * **protected kept** -- every position the selector protects at the end (sinks, recent window)
   is still stored; in particular the first ``n_sink`` tokens;
 * **real queries** -- scores came from the model's queries (``score_source == "queries"``),
@@ -18,6 +19,10 @@ decode) with caches from :func:`kvcompress.make_prompt_cache` and checks:
 * **float16** -- a float16 model gives no NaN in log-probabilities, stored keys/values or scores;
 * **save/load** -- :func:`kvcompress.save_prompt_cache` / :func:`kvcompress.load_prompt_cache`
   restore every layer's state exactly, and decoding continues with the same logits;
+* **batched** -- prompts of different lengths batched by mlx-lm's ``BatchGenerator`` (the
+  per-sequence caches merged with :meth:`BatchCompressedKVCache.merge`, right-padded prompt
+  chunks) generate the greedy tokens each prompt generates alone, with the same
+  log-probabilities (to ``1e-4``);
 * **config round trip** -- the resolved config, through JSON, builds the same components.
 """
 
@@ -91,18 +96,19 @@ class _StepLog:
             orig = c.update_and_fetch
 
             def wrapped(keys, values, _c=c, _orig=orig):
-                n0, off0, S = _c.size(), _c.offset, keys.shape[2]
+                n0, off0, S = _c.tokens_kept, _c.offset, keys.shape[2]
                 k, v = _orig(keys, values)
-                n1, b = _c.size(), _c.budget
+                n1, b = _c.tokens_kept, _c.budget
                 bound = n0 + S if n0 + S <= b else b - 1 + S
                 if not self.errors:
                     if n1 > bound:
-                        self.errors.append(f"layer {_c.layer}: a {S}-token step left {n1} slots; at most "
-                                           f"{bound} allowed (budget {b}, {n0} stored before)")
+                        self.errors.append(f"layer {_c.layer}: a {S}-token step left {n1} tokens held; at most "
+                                           f"{bound} allowed (budget {b}, {n0} held before)")
                     elif n0 + S <= b and n1 != n0 + S:
-                        self.errors.append(f"layer {_c.layer}: under budget but {n0} + {S} stored became {n1}")
-                    elif k.shape[2] != n1 or v.shape[2] != n1:
-                        self.errors.append(f"layer {_c.layer}: returned {k.shape[2]} keys for {n1} stored slots")
+                        self.errors.append(f"layer {_c.layer}: under budget but {n0} + {S} held became {n1}")
+                    elif k.shape[2] != _c.size() or v.shape[2] != _c.size() or _c.size() < n1:
+                        self.errors.append(f"layer {_c.layer}: returned {k.shape[2]} keys for {_c.size()} stored "
+                                           f"slots holding {n1} tokens")
                     elif _c.offset != off0 + S:
                         self.errors.append(f"layer {_c.layer}: offset {off0} + {S} became {_c.offset}")
                 return k, v
@@ -229,20 +235,24 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
     ensure(any(c.evictions for c in comp), s, "budget held",
            f"nothing was evicted from {n_prompt + settings.decode} tokens with budgets {layer_budgets}")
     for c in comp:
-        ensure(c.size() <= c.budget, s, "budget held",
-               f"layer {c.layer} stores {c.size()} slots after a decode step; budget {c.budget}")
+        ensure(c.tokens_kept <= c.size() <= c.budget, s, "budget held",
+               f"layer {c.layer} holds {c.tokens_kept} tokens in {c.size()} slots after a decode step; "
+               f"budget {c.budget}")
         if getattr(c.method.selector, "evict_count", None) is None:
-            ensure(c.size() == min(c.budget, c.offset), s, "budget held",
-                   f"layer {c.layer} stores {c.size()} slots after a decode step, expected "
+            ensure(c.tokens_kept == min(c.budget, c.offset), s, "budget held",
+                   f"layer {c.layer} holds {c.tokens_kept} tokens after a decode step, expected "
                    f"min(budget {c.budget}, offset {c.offset}) (the selector evicts exactly n_evict)")
         pos, scores = _positions_scores(c)
         for row in pos.reshape(-1, pos.shape[-1]):
-            ensure(len(set(row.tolist())) == row.size and row.max() < c.offset and c.offset - 1 in row, s,
-                   "positions", f"layer {c.layer}: stored positions must be distinct, < offset {c.offset} "
-                   f"and include the newest token; got {sorted(row.tolist())}")
+            held = row[row >= 0]
+            ensure(len(set(held.tolist())) == held.size == c.tokens_kept and held.max() < c.offset
+                   and c.offset - 1 in held and (row[row < 0] == -1).all(), s,
+                   "positions", f"layer {c.layer}: held positions must be distinct, < offset {c.offset}, "
+                   f"{c.tokens_kept} of them, include the newest token, and every other slot be empty (-1); "
+                   f"got {sorted(row.tolist())}")
         sel = c.method.selector
         seen = mx.broadcast_to(mx.arange(c.offset, dtype=mx.int32), pos.shape[:2] + (c.offset,))
-        must = np.array(sel.protected(seen, c.offset, c.budget))
+        must = np.array(sel.protected(seen, mx.full((1, 1, 1), c.offset, mx.int32), c.budget))
         for bh in np.ndindex(*pos.shape[:2]):
             missing = sorted(set(np.flatnonzero(must[bh]).tolist()) - set(pos[bh].tolist()))
             ensure(not missing, s, "protected kept",
@@ -292,7 +302,10 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
     # 5. no eviction -> exactly KVCache
     _check_exact(h, prompt, step, report, settings)
 
-    # 6. config round trip
+    # 6. batched rows of different lengths -> each row as alone
+    _check_batched(h, prompt, step, report, settings, extra)
+
+    # 7. config round trip
     cfg = json.loads(json.dumps(method.config.to_dict()))
     again = build_method(cfg, registry=registry)
     for kind in KINDS:
@@ -358,6 +371,51 @@ def _check_exact(h: _Harness, prompt, step, report, settings) -> None:
            f"with budget {roomy} >= {seen} tokens log-probabilities differ from KVCache's by {worst:.3g}")
     report.ok("exact without eviction")
     report.details["exact_max_diff"] = worst
+
+
+def _batch_generate(model, prompts, caches, step: int, n: int):
+    """mlx-lm's continuous batching: ``BatchGenerator`` merges the per-sequence caches into one
+    batch cache (``caches[0][i].merge(...)``) and right-pads the prompts chunk by chunk."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n, prefill_step_size=step)
+    try:
+        uids = gen.insert(prompts, caches=caches)
+        toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
+        for _ in range(sum(len(p) for p in prompts) + 10 * n):
+            _, responses = gen.next()
+            for r in responses:
+                toks[r.uid].append(int(r.token))
+                lps[r.uid].append(r.logprobs)
+            if all(len(toks[u]) >= n for u in uids):
+                break
+    finally:
+        gen.close()
+    return [(toks[u][:n], lps[u][:n]) for u in uids]
+
+
+def _check_batched(h: _Harness, prompt, step, report, settings, extra) -> None:
+    s = report.subject
+    n = len(prompt)
+    # three rows: the prompt, a shorter one that still evicts, one that never reaches the budget
+    lengths = [n, n - 7, max(step // 2, 3)]
+    prompts = [prompt[-m:].tolist() for m in lengths]
+    model = tiny_llama(vocab=settings.vocab)
+    alone = [_generate(model, mx.array(p), h.caches(model, **extra), step, settings.decode) for p in prompts]
+    try:
+        batched = _batch_generate(model, prompts, [h.caches(model, **extra) for _ in prompts], step, settings.decode)
+    except Exception as exc:
+        raise fail(s, "batched", f"mlx-lm's BatchGenerator failed on rows of lengths {lengths}: "
+                   f"{type(exc).__name__}: {exc}") from exc
+    for r, ((toks, lps), (ref_toks, ref_lps)) in enumerate(zip(batched, alone)):
+        ensure(toks == ref_toks, s, "batched",
+               f"row {r} (a {lengths[r]}-token prompt) batched with rows of lengths {lengths} generated "
+               f"{toks}; alone it generates {ref_toks}")
+        worst = max(float(mx.abs(a - b).max()) for a, b in zip(lps, ref_lps))
+        ensure(worst <= 1e-4, s, "batched",
+               f"row {r} (a {lengths[r]}-token prompt) batched with rows of lengths {lengths}: "
+               f"log-probabilities differ from its solo run by {worst:.3g}")
+    report.ok("batched")
 
 
 def method_subject(method: Any) -> str:

@@ -190,7 +190,7 @@ def _measure(rec: dict, datas: list, s: SyntheticSettings, registry) -> None:
     if kind == "method":
         d = cache.diagnostics
         rec.update(cache_budget=cache.budget, tokens_kept=d["tokens_kept"], evictions=d["evictions"],
-                   merges=d["merges"], score_source=d["score_source"])
+                   merges=d.get("merges", 0), score_source=d["score_source"])
     else:
         rec["tokens_kept"] = int(kv[0].shape[2])
 

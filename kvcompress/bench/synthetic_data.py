@@ -12,7 +12,7 @@ The generator's parameters are read from a :class:`~kvcompress.bench.synthetic.S
 2. **Feed** (:func:`feed`). The keys/values enter a cache through ``update_and_fetch``: the first
    ``T - n_decode`` tokens as prefill chunks of ``prefill_step`` tokens (default 512), then
    ``n_decode`` single-token decode steps. After every step the step's queries are given to
-   ``cache.observe(queries, scale, mask)`` -- the call the SDPA wrapper makes in a real model --
+   ``cache.observe(queries, scale)`` -- the call the SDPA wrapper makes in a real model --
    so the real scoring path runs (``score_source == "queries"``).
 3. **Probe** (:func:`perturbation`). ``n_probe`` fresh queries per head, drawn like the queries
    of a token at position ``T``, attend (a) every key/value (the full cache) and (b) the
@@ -126,7 +126,7 @@ def feed(cache, data: SyntheticData, n_decode: int, prefill_step: Optional[int] 
         nonlocal k, v
         k, v = cache.update_and_fetch(data.keys[..., s:e, :], data.values[..., s:e, :])
         if observe:
-            cache.observe(data.queries[..., s:e, :], data.scale, "causal" if e - s > 1 else None)
+            cache.observe(data.queries[..., s:e, :], data.scale)
         mx.eval(k, v, _state_arrays(cache))
 
     for s in range(0, P, step):

@@ -18,9 +18,11 @@ Pooling is done per query head, then averaged over the heads sharing a KV head (
 rule; the reference selects per query head, which stores ``H_q`` heads). Slots are pooled in
 *position* order: decode reuses freed slots, so slot order is not position order.
 
-When scores are recomputed (an *event*, per row): on every multi-token step with real tokens
-in that row (prefill chunks), and, if ``interval > 0``, on decode steps whose offset is a multiple
-of ``interval``. Between events scores are left unchanged and a new token enters at 0.
+When scores are recomputed (an *event*, per row): on every step that brings the row more than
+one real token (prefill chunks), and, if ``interval > 0``, on steps that bring it one token
+(decode) at an offset that is a multiple of ``interval``. A row's event does not depend on the
+batch: a row whose part of a right-padded batch chunk is one real token has a decode step.
+Between events scores are left unchanged and a new token enters at 0.
 
 * ``interval = 0`` (default; the reference compresses once, at prefill): each multi-token step
   is one SnapKV compression with that row's last ``min(N, w)`` real queries (a chunked prefill
@@ -146,10 +148,10 @@ class SnapKVScorer:
         return WindowState() if self.interval > 0 else None
 
     def events(self, obs) -> list:
-        """Per row: whether this step recomputes the row's scores."""
-        if obs.n_new > 1:
-            return [v > 0 for v in obs.n_valid]
-        return [self.interval > 0 and o % self.interval == 0 for o in obs.offsets]
+        """Per row: whether this step recomputes the row's scores (from the row's own real
+        tokens in the step, never from the batch's step size)."""
+        valid = obs.n_valid or (obs.n_new,) * len(obs.offsets)
+        return [v > 1 or (v == 1 and self.interval > 0 and o % self.interval == 0) for v, o in zip(valid, obs.offsets)]
 
     def observe(self, scores, obs):
         events = self.events(obs)

@@ -33,12 +33,15 @@ def test_knorm_scorer_is_query_free_and_float32():
 
 def test_knorm_method_in_generation():
     report = check_method("knorm")
-    assert {"budget held", "exact without eviction", "save/load", "float16", "deterministic"} <= set(report.passed)
+    assert {"budget held", "exact without eviction", "save/load", "float16", "deterministic", "batched"} <= set(
+        report.passed
+    )
     assert "sinks kept" in report.skipped  # the method keeps no sinks (n_sink = 0), as the paper
 
 
 def test_knorm_composes_with_other_plugins_components():
-    report = check_scorer("knorm", compose={"disposition": "kivi_quant"})  # evicted keys quantized
-    assert "run: save/load" in report.passed
+    # StreamingLLM's position shift: survivors attended at contiguous positions
+    report = check_scorer("knorm", compose={"disposition": "shift"})
+    assert {"run: save/load", "run: batched"} <= set(report.passed)
     with pytest.raises(ContractFailure, match="contract 'composition' broken: CompositionError"):
         check_scorer("knorm", compose={"disposition": "gated_merge"})  # needs attention mass

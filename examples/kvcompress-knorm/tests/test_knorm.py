@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvcompress
-from kvcompress import CompositionError, Observation, build_method
+from kvcompress import CompositionError, LayerInfo, Observation, build_method
 from kvcompress_knorm import KeyNormScorer, key_norm_score
 
 
@@ -36,7 +36,11 @@ def test_observe_is_query_free():
     pos = mx.broadcast_to(mx.arange(6, dtype=mx.int32), (1, 2, 6))
     outs = []
     for q_seed, proxy in [(2, False), (3, True)]:
-        obs = Observation(_keys((1, 4, 2, 4), q_seed), k, pos, 2, 0.5, "causal", 0, 6, proxy)
+        obs = Observation(
+            queries=_keys((1, 4, 2, 4), q_seed), keys=k, positions=pos,
+            query_positions=mx.array([[[4, 5]]], dtype=mx.int32), n_new=2, scale=0.5,
+            offset=mx.full((1, 1, 1), 6, mx.int32), offsets=(6,), layer=LayerInfo(), n_valid=(2,), proxy=proxy,
+        )
         outs.append(np.array(KeyNormScorer().observe(mx.full((1, 2, 6), 7.0), obs)))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], np.array(key_norm_score(k)))
