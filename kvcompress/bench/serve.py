@@ -27,7 +27,7 @@ alternating between them: every turn sends the whole conversation so far plus
 ``turn_tokens`` new tokens of text (ending on a newline, so the server's prompt cache resumes
 the previous turn: ``cached_tokens`` is recorded) and gets ``answer_tokens`` back. After every
 turn the server's RSS and peak are read. A server stops when its peak passes the memory limit
-(``--memory-limit-mb``; default: the larger first-turn peak plus 256 MB); the phase ends when
+(``--memory-limit-mb``; default: the larger first-turn peak plus 512 MB); the phase ends when
 both stopped, after ``max_turns`` turns or after ``conversation_seconds``. Reported: the longest
 conversation (tokens) each server held within the limit and the RSS-vs-tokens curves. RSS is the
 whole process: the weights, MLX's buffer cache and mlx-lm's LRU prompt cache (up to
@@ -60,7 +60,7 @@ __all__ = ["ServeSettings", "QUICK", "NAMES", "run_serve", "summary_table", "plo
 #: The two servers: kvcompress serve, and mlx-lm's own.
 NAMES = ("compressed", "plain")
 #: The automatic memory limit: this much above the larger first-turn peak of the two servers.
-AUTO_HEADROOM_MB = 256
+AUTO_HEADROOM_MB = 512
 
 
 @attrs.frozen
@@ -73,7 +73,7 @@ class ServeSettings:
     method: str = "snapkv"
     budget: int = attrs.field(default=256, validator=at_least(1))
     clients: int = attrs.field(default=8, validator=at_least(1))
-    prompt_tokens: int = attrs.field(default=1024, validator=at_least(8))
+    prompt_tokens: int = attrs.field(default=2048, validator=at_least(8))
     new_tokens: int = attrs.field(default=64, validator=at_least(2))
     rounds: int = attrs.field(default=3, validator=at_least(1))
     #: mlx-lm's batch sizes, the same for both servers (None: ``clients``)
@@ -82,13 +82,13 @@ class ServeSettings:
     prefill_step_size: int = attrs.field(default=512, validator=at_least(1))
     prompt_cache_size: int = attrs.field(default=10, validator=at_least(1))
     turn_tokens: int = attrs.field(default=512, validator=at_least(8))
-    answer_tokens: int = attrs.field(default=32, validator=at_least(1))
-    max_turns: int = attrs.field(default=32, validator=at_least(2))
+    answer_tokens: int = attrs.field(default=16, validator=at_least(1))
+    max_turns: int = attrs.field(default=40, validator=at_least(2))
     #: None: AUTO_HEADROOM_MB above the larger first-turn peak
     memory_limit_mb: Optional[int] = attrs.field(default=None, validator=at_least(1))
     #: no new round (turn) starts after this many seconds of the load (conversation) phase
-    load_seconds: int = attrs.field(default=480, validator=at_least(1))
-    conversation_seconds: int = attrs.field(default=300, validator=at_least(1))
+    load_seconds: int = attrs.field(default=600, validator=at_least(1))
+    conversation_seconds: int = attrs.field(default=360, validator=at_least(1))
     request_timeout_s: int = attrs.field(default=600, validator=at_least(1))
     startup_timeout_s: int = attrs.field(default=180, validator=at_least(1))
     sample_interval_s: float = 0.25
@@ -392,7 +392,7 @@ def plot_serve(payload: dict, path):
     ax.set_xticks([0, 1, 2], ["tokens/s\n(left axis)", "TTFT p50 s\n(right axis)", "TTFT p99 s\n(right axis)"])
     ax.set_ylabel("aggregate completion tokens/s")
     ax2.set_ylabel("time to first token, s")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center")
     ax.set_title(f"{s['clients']} concurrent clients x {s['prompt_tokens']}-token prompts, "
                  f"{s['new_tokens']} new tokens", fontsize=10)
     axes[1].bar(list(NAMES), [ls[n]["peak_mb"] for n in NAMES], color=[COLORS[n] for n in NAMES])
@@ -426,7 +426,8 @@ def plot_serve(payload: dict, path):
 
 _OPTIONS = ("model", "method", "budget", "clients", "prompt_tokens", "new_tokens", "rounds", "decode_concurrency",
             "prompt_concurrency", "prefill_step_size", "prompt_cache_size", "turn_tokens", "answer_tokens",
-            "max_turns", "memory_limit_mb", "load_seconds", "conversation_seconds", "n_layers", "dtype", "seed")
+            "max_turns", "memory_limit_mb", "load_seconds", "conversation_seconds", "n_layers", "hidden", "n_heads",
+            "n_kv_heads", "intermediate", "dtype", "seed")
 
 
 def add_arguments(parser) -> None:
@@ -454,6 +455,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--conversation-seconds", type=int,
                         help=f"no new turn after this (default {d.conversation_seconds.default})")
     parser.add_argument("--n-layers", type=int, help=f"layers of the random model (default {d.n_layers.default})")
+    parser.add_argument("--hidden", type=int, help=f"hidden size of the random model (default {d.hidden.default})")
+    parser.add_argument("--n-heads", type=int, help=f"query heads of the random model (default {d.n_heads.default})")
+    parser.add_argument("--n-kv-heads", type=int, help=f"KV heads of the random model (default {d.n_kv_heads.default})")
+    parser.add_argument("--intermediate", type=int, help=f"MLP size of the random model (default {d.intermediate.default})")
     parser.add_argument("--dtype", choices=DTYPES, help="weights of the random model (default float32)")
     parser.add_argument("--seed", type=int, help="model and prompt seed (default 0)")
     add_output_arguments(parser, "serve.json / serve.png")
