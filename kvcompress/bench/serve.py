@@ -392,7 +392,9 @@ def plot_serve(payload: dict, path):
     ax.set_xticks([0, 1, 2], ["tokens/s\n(left axis)", "TTFT p50 s\n(right axis)", "TTFT p99 s\n(right axis)"])
     ax.set_ylabel("aggregate completion tokens/s")
     ax2.set_ylabel("time to first token, s")
-    ax.legend(fontsize=8, loc="upper center")
+    ax.set_ylim(0, 1.3 * max(ls[n]["tok_s"] for n in NAMES))
+    ax2.set_ylim(0, 1.3 * max(ls[n]["ttft_p99_s"] for n in NAMES))
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
     ax.set_title(f"{s['clients']} concurrent clients x {s['prompt_tokens']}-token prompts, "
                  f"{s['new_tokens']} new tokens", fontsize=10)
     axes[1].bar(list(NAMES), [ls[n]["peak_mb"] for n in NAMES], color=[COLORS[n] for n in NAMES])
@@ -402,6 +404,7 @@ def plot_serve(payload: dict, path):
     if weights:
         axes[1].axhline(weights / 2**20, color="black", ls=":", lw=1, label="model weights")
         axes[1].legend(fontsize=8)
+    axes[1].set_ylim(0, 1.15 * max(ls[n]["peak_mb"] for n in NAMES))
     axes[1].set_ylabel("MB")
     axes[1].set_title(f"peak resident memory under load ({ls['plain']['peak_source']})", fontsize=10)
     for n in NAMES:
