@@ -18,6 +18,7 @@ BENCH_WORKLOADS = {
     "perplexity": "kvcompress.bench.perplexity",
     "speed": "kvcompress.bench.speed",
     "scaling": "kvcompress.bench.scaling",
+    "serve": "kvcompress.bench.serve",
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
