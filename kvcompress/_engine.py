@@ -81,6 +81,18 @@ class _Engine(_BaseCache):
         self._off_cache: tuple = (None, None)
         self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
 
+    def __deepcopy__(self, memo):
+        """A copy that continues exactly like the original; copies of a prompt's caches made in
+        one ``deepcopy`` share one new group."""
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        new.group.add(new.info.layer, new)
+        return new
+
     # ----------------------------------------------------------------------------------------
     # Budget and rows
     # ----------------------------------------------------------------------------------------

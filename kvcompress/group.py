@@ -25,17 +25,25 @@ class PromptGroup:
     """Shared by the compressed layers of one prompt (or one batch of prompts)."""
 
     id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
-    members: dict = attrs.field(factory=dict, repr=False)  # layer index -> cache
+    members: dict = attrs.field(factory=dict, repr=False)  # layer index -> weak reference to a cache
     scratch: dict = attrs.field(factory=dict, repr=False)  # per-step cross-layer data, never saved
     #: every layer observed the prompt, and the ranks of a pipeline still have to agree budgets
     rebudget_pending: bool = False
 
     def add(self, layer: int, cache) -> None:
-        self.members[layer] = cache
+        """Register ``cache`` as the group's ``layer``; the group holds it weakly (the caches hold
+        the group), so dropping a prompt's caches frees them without a garbage-collector pass."""
+        self.members[layer] = weakref.ref(cache)
 
     def caches(self) -> list:
         """Member caches ordered by layer."""
-        return [self.members[k] for k in sorted(self.members) if self.members[k] is not None]
+        out = []
+        for k in sorted(self.members):
+            ref = self.members[k]
+            cache = ref() if ref is not None else None
+            if cache is not None:
+                out.append(cache)
+        return out
 
     def reduce_scores(self) -> None:
         """Agree the scores of every member that needs it across the tensor-parallel ranks, in
@@ -79,11 +87,9 @@ class PromptGroup:
                 c._set_budgets(list(budgets[c.info.layer if first.info.pp_size > 1 else i]))
 
     def __deepcopy__(self, memo):
-        import copy
-
+        """A new, empty group: each copied cache registers itself in it (see the engine)."""
         new = PromptGroup(id=uuid.uuid4().hex)
         memo[id(self)] = new
-        new.members = {k: copy.deepcopy(v, memo) for k, v in self.members.items()}
         return new
 
     def __getstate__(self):  # pickling (e.g. multiprocessing) keeps only the id
