@@ -105,6 +105,10 @@ def attention(
     for i0 in range(start, n, block):
         i1 = min(i0 + block, n)
         qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
+        if outs or total is not None:
+            # one block at a time: MLX would otherwise run the blocks' matmuls side by side and
+            # hold every block's logits at once, which defeats the blocking
+            qb = mx.depends([qb], [outs[-1] if outs else total])[0]
         parts = [e.logits(qb) for e in extra]
         if key_positions is not None:
             vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]

@@ -28,15 +28,19 @@ syncs to know them; rows that free different numbers of tokens in one step (``ev
 get exactly the groups, store and buffer they would have alone. The store is as wide as its
 widest row; a row's unused tail is zeros and is masked out of attention.
 
-**Attention** runs over ``[packed store | buffer | stored slots]`` through
-:func:`kvcompress.ops.attention` (one float32 softmax, the stored slots under the mask the cache
-hands the layer; evicted tokens are older than every query of the step, so each row sees all of
-its own). The store joins as :class:`kvcompress.ops.ExtraKeys`: for a decode step (a few queries)
-``q K^T`` and ``p V`` are ``mx.quantized_matmul`` on the packed codes (``transpose=False``: ``K^T``
-is quantized along its last axis, ``V`` along ``D``), which never materialises the store in full
-precision; for a prompt chunk the store is dequantized once per layer and step (one layer's
-worth of float K/V, transient) and the queries run in blocks small enough that the logits stay
-below what mlx-lm's attention over a full cache would allocate.
+**Attention** runs through :func:`kvcompress.ops.attention` (the project's one masked attention:
+one float32 softmax over ``[packed store | buffer | stored slots]``, the stored slots under the
+mask the cache hands the layer; evicted tokens are older than every query of the step, so each
+row sees all of its own, and a row's unused store/buffer columns are masked out):
+
+* a decode step (at most :data:`QMM_QUERIES` queries): the store joins as
+  :class:`kvcompress.ops.ExtraKeys` read by ``mx.quantized_matmul`` on the packed codes
+  (``transpose=False``: ``K^T`` is quantized along its last axis, ``V`` along ``D``), so it is
+  never materialised in full precision;
+* a chunk of queries: the store is dequantized once (one layer's float32 K/V, transient) and
+  put in front of the stored slots as one key block, and the queries run in blocks of at most
+  :data:`LOGITS_PER_BLOCK` logits, one block at a time, so the transient memory stays far below
+  the ``[H, N, T]`` scores mlx-lm's attention over a full cache allocates.
 """
 
 from __future__ import annotations
@@ -398,50 +402,89 @@ class KiviQuant:
         if not isinstance(state, KiviState) or state.empty:
             return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
         b, h_q, n, _ = queries.shape
-        h_kv, t = keys.shape[1], keys.shape[2]
-        extra = self.extra_keys(_with_rows(state, b), n, values.shape[-1])
-        x = state.width + max(state.n_buf)
-        block = max(16, min(ops.QUERY_BLOCK, LOGITS_PER_BLOCK // max(b * h_q * (x + t), 1)))
-        out, _ = ops.attention(queries, keys, values, scale, mask=mask, extra=extra, sinks=sinks, block=block)
+        if n <= QMM_QUERIES and state.width:
+            extra = self.quantized_keys(state, values.shape[-1])
+            buf_k, buf_v, buf_ok = self._buffer(state)
+            if buf_k.shape[2]:
+                extra.append(_float_keys(buf_k.swapaxes(-1, -2), buf_v, buf_ok))
+            out, _ = ops.attention(queries, keys, values, scale, mask=mask, extra=extra, sinks=sinks)
+            return out
+        # a chunk: one float32 key block [dequantized store | buffer | stored slots]
+        old_k, old_v, ok = self.dequantized(state)
+        x = old_k.shape[2]
+        keys = mx.concatenate([old_k, keys.astype(mx.float32)], axis=2)
+        values = mx.concatenate([old_v, values.astype(mx.float32)], axis=2)
+        mask = _prepend_visible(mask, ok, b, x, n, keys.shape[2] - x)
+        block = max(16, min(ops.QUERY_BLOCK, LOGITS_PER_BLOCK // max(b * h_q * keys.shape[2], 1)))
+        out, _ = ops.attention(queries, keys, values, scale, mask=mask, sinks=sinks, block=block)
         return out
 
-    def extra_keys(self, state: KiviState, n_queries: int, dv: int) -> list:
-        """The store and the buffer as :class:`kvcompress.ops.ExtraKeys` (each row's unused
-        columns masked): ``quantized_matmul`` on the codes for up to :data:`QMM_QUERIES`
-        queries, else one dequantized float32 block of store + buffer."""
-        b, g = len(state.n_quant), self.group
-        width, nbw = state.width, max(state.n_buf)
-        store_ok = None if all(q == width for q in state.n_quant) else (
-            mx.arange(width).reshape(1, width) < mx.array(state.n_quant).reshape(b, 1))
-        buf_ok = None if all(x == nbw for x in state.n_buf) else (
+    def _buffer(self, state: KiviState):
+        """Every row's buffered tokens ``[B, H, n, D]`` float32 (``n`` = the fullest row's) and
+        which are real (``[B, n]`` bool, or None when all are)."""
+        b, nbw = len(state.n_buf), max(state.n_buf)
+        ok = None if all(x == nbw for x in state.n_buf) else (
             mx.arange(nbw).reshape(1, nbw) < mx.array(state.n_buf).reshape(b, 1))
-        buf_k = state.buf_k[:, :, :nbw].astype(mx.float32)
-        buf_v = state.buf_v[:, :, :nbw].astype(mx.float32)
-        if n_queries > QMM_QUERIES or width == 0:
-            if width:
-                kd, vd = self.dequantize(state)
-                keys_t = mx.concatenate([kd.astype(mx.float32), buf_k], axis=2).swapaxes(-1, -2)
-                vals = mx.concatenate([vd.astype(mx.float32), buf_v], axis=2)
-                ok = _cat_valid(store_ok, buf_ok, b, width, nbw)
-            else:
-                keys_t, vals, ok = buf_k.swapaxes(-1, -2), buf_v, buf_ok
-            return [_float_keys(keys_t, vals, ok)] if vals.shape[2] else []
-        qargs = dict(transpose=False, group_size=g, bits=self.bits)
+        return state.buf_k[:, :, :nbw].astype(mx.float32), state.buf_v[:, :, :nbw].astype(mx.float32), ok
+
+    def _store_ok(self, state: KiviState):
+        width = state.width
+        if all(q == width for q in state.n_quant):
+            return None
+        return mx.arange(width).reshape(1, width) < mx.array(state.n_quant).reshape(len(state.n_quant), 1)
+
+    def dequantized(self, state: KiviState):
+        """``(K, V, ok)``: the store and the buffer as float32 ``[B, H, X, D]`` keys and values
+        (``X`` = store width + the fullest buffer) and ``ok`` ``[B, X]`` (None: every column
+        is real in every row)."""
+        buf_k, buf_v, buf_ok = self._buffer(state)
+        if not state.width:
+            return buf_k, buf_v, buf_ok
+        kd, vd = self.dequantize(state)
+        k = mx.concatenate([kd.astype(mx.float32), buf_k], axis=2)
+        v = mx.concatenate([vd.astype(mx.float32), buf_v], axis=2)
+        return k, v, _cat_valid(self._store_ok(state), buf_ok, len(state.n_quant), state.width, buf_k.shape[2])
+
+    def quantized_keys(self, state: KiviState, dv: int) -> list:
+        """The packed store as :class:`kvcompress.ops.ExtraKeys` read by ``quantized_matmul``
+        (``q K^T`` on ``K^T``'s codes, ``p V`` on ``V``'s; a row's unused columns masked)."""
+        width, ok = state.width, self._store_ok(state)
+        qargs = dict(transpose=False, group_size=self.group, bits=self.bits)
 
         def logits(q):  # q [B, H, G, n, D] float32, scaled
             bb, h, gg, m, d = q.shape
             s = mx.quantized_matmul(q.reshape(bb, h, gg * m, d), state.kq, state.ks, state.kb, **qargs)
-            return _mask_cols(s.reshape(bb, h, gg, m, width), store_ok)
+            return _mask_cols(s.reshape(bb, h, gg, m, width), ok)
 
         def output(p):  # p [B, H, G, n, W]
             bb, h, gg, m, w = p.shape
             o = mx.quantized_matmul(p.reshape(bb, h, gg * m, w), state.vq, state.vs, state.vb, **qargs)
             return o[..., :dv].reshape(bb, h, gg, m, dv)
 
-        extra = [ops.ExtraKeys(logits=logits, output=output)]
-        if nbw:
-            extra.append(_float_keys(buf_k.swapaxes(-1, -2), buf_v, buf_ok))
-        return extra
+        return [ops.ExtraKeys(logits=logits, output=output)]
+
+
+def _prepend_visible(mask, ok, b: int, x: int, n: int, t: int):
+    """The mask over ``[x extra keys | t stored slots]`` from the stored slots' ``mask`` (None,
+    ``"causal"`` or an array ``[.., n, t]``): every query sees the extra keys that ``ok``
+    ``[B, x]`` marks (None: all of them)."""
+    if x == 0:
+        return mask
+    if ok is None and (mask is None or isinstance(mask, str)):
+        return mask  # still bottom-right aligned: the extra keys precede every query's slots
+    if mask is None:
+        base = mx.ones((1, 1, n, t), mx.bool_)
+    elif isinstance(mask, str):
+        base = ops.visibility(mx.arange(t, dtype=mx.int32), mx.arange(t - n, t, dtype=mx.int32))[None, None]
+    else:
+        base = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if base.dtype != mx.bool_:
+            raise ValueError("kivi_quant: additive attention masks are not supported with a quantized store")
+    rows = max(b, base.shape[0])
+    heads = base.shape[1]
+    left = mx.ones((rows, 1, 1, x), mx.bool_) if ok is None else ok.reshape(ok.shape[0], 1, 1, x)
+    left = mx.broadcast_to(left, (rows, heads, n, x))
+    return mx.concatenate([left, mx.broadcast_to(base, (rows, heads, n, t))], axis=-1)
 
 
 def _cat_valid(a, b_ok, rows: int, wa: int, wb: int):
