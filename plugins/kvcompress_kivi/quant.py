@@ -255,15 +255,16 @@ class KiviQuant:
     def take_rows(self, state: KiviState, rows: list) -> KiviState:
         """The given rows (the store cut to their widest ``n_quant``)."""
         if not state.n_quant:
-            return KiviState()
+            return KiviState(n_quant=[0] * len(rows), n_buf=[0] * len(rows))
         nq = [state.n_quant[i] for i in rows]
         out = KiviState(n_quant=nq, n_buf=[state.n_buf[i] for i in rows])
-        if state.vq is None:
-            return out
         idx = mx.array(rows, dtype=mx.int32)
         width = max(nq, default=0)
         for f in (*_STORE_FIELDS, "buf_k", "buf_v"):
-            x = getattr(state, f)[idx]
+            x = getattr(state, f)
+            if x is None:
+                continue
+            x = x[idx]
             if f in _STORE_FIELDS and width < state.width:
                 x = self._cut(f, x, width)
             setattr(out, f, x)
@@ -272,32 +273,35 @@ class KiviQuant:
     def stack_rows(self, states: list) -> KiviState:
         """One state holding every state's rows in order (stores padded to the widest)."""
         states = [s if isinstance(s, KiviState) else KiviState() for s in states]
-        nq = [x for s in states for x in (s.n_quant or [0])]
-        nb = [x for s in states for x in (s.n_buf or [0])]
-        like = next((s for s in states if s.vq is not None), None)
-        out = KiviState(n_quant=nq, n_buf=nb)
-        if like is None:
-            return out
+        out = KiviState(n_quant=[x for s in states for x in (s.n_quant or [0])],
+                        n_buf=[x for s in states for x in (s.n_buf or [0])])
         width = max(s.width for s in states)
-        for f in (*_STORE_FIELDS, "buf_k", "buf_v"):
-            parts = []
-            for s in states:
-                x = getattr(s, f)
-                if x is None:
-                    shape = list(getattr(like, f).shape)
-                    shape[0] = s.rows
-                    if f in _STORE_FIELDS:
-                        axis, unit = _units(f, self.group, self.bits)
-                        shape[axis] = 0
-                    x = mx.zeros(shape, getattr(like, f).dtype)
-                if f in _STORE_FIELDS and s.width < width:
-                    axis, unit = _units(f, self.group, self.bits)
-                    pad = [(0, 0)] * x.ndim
-                    pad[axis] = (0, (width - s.width) // self.group * unit)
-                    x = mx.pad(x, pad)
-                parts.append(x)
-            setattr(out, f, mx.concatenate(parts, axis=0))
+        for fields in (("buf_k", "buf_v"), _STORE_FIELDS):
+            like = next((s for s in states if getattr(s, fields[0]) is not None), None)
+            if like is None:
+                continue
+            for f in fields:
+                parts = []
+                for s in states:
+                    x = getattr(s, f)
+                    if x is None:  # rows that hold nothing here: zeros
+                        shape = list(getattr(like, f).shape)
+                        shape[0] = s.rows
+                        if f in _STORE_FIELDS:
+                            shape[_units(f, self.group, self.bits)[0]] = 0
+                        x = mx.zeros(shape, getattr(like, f).dtype)
+                    if f in _STORE_FIELDS and x.shape[2 if f[0] == "v" else -1] < self._units_of(f, width):
+                        axis, _ = _units(f, self.group, self.bits)
+                        pad = [(0, 0)] * x.ndim
+                        pad[axis] = (0, self._units_of(f, width) - x.shape[axis])
+                        x = mx.pad(x, pad)
+                    parts.append(x)
+                setattr(out, f, mx.concatenate(parts, axis=0))
         return out
+
+    def _units_of(self, field: str, width: int) -> int:
+        """Entries of ``field`` along its token axis for a store ``width`` tokens wide."""
+        return width // self.group * _units(field, self.group, self.bits)[1]
 
     def _cut(self, field: str, x: mx.array, width: int) -> mx.array:
         axis, unit = _units(field, self.group, self.bits)
