@@ -272,6 +272,23 @@ def test_ops_attention_under_mlx_masks_equals_sdpa(mask_kind):
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
 
 
+def test_ops_attention_blocks_run_one_after_another_with_the_same_result():
+    """Query blocks are chained (mx.depends) to bound memory; output and mass do not change."""
+    b, h_q, h, n, t, d = 2, 4, 2, 9, 20, 8
+    q = mx.random.normal((b, h_q, n, d), key=mx.random.key(63))
+    k, v = _kv(b, h, t, d, seed=64)
+    pos = mx.broadcast_to(mx.arange(t, dtype=mx.int32), (b, h, t))
+    pos = mx.where(mx.random.uniform(shape=(b, h, t), key=mx.random.key(65)) < 0.2, -1, pos)
+    qpos = mx.array([15, 18], mx.int32).reshape(2, 1, 1) + mx.arange(n, dtype=mx.int32).reshape(1, 1, n) - n
+    w = (mx.random.uniform(shape=(b, 1, n), key=mx.random.key(66)) > 0.3).astype(mx.float32)
+    for mass in (None, "group", "heads"):
+        one = ops.attention(q, k, v, 0.3, pos, qpos, mass=mass, query_weight=w)
+        many = ops.attention(q, k, v, 0.3, pos, qpos, mass=mass, query_weight=w, block=2)
+        assert mx.array_equal(one[0], many[0])
+        if mass:
+            np.testing.assert_allclose(np.array(one[1]), np.array(many[1]), atol=1e-6)
+
+
 def test_chunk_attention_transient_memory_below_full_attention():
     """Peak-memory regression: a 512-query chunk over a 4k-token quantized store allocates far
     less than mlx's attention over the same tokens in full precision (block-wise logits, one
