@@ -5,7 +5,8 @@ One mask rule and one masked attention serve the whole project:
 * :func:`visibility` -- key ``j`` is visible to query ``i`` iff ``0 <= p_j <= q_i`` (``p_j = -1``
   marks an empty slot: padding or a freed slot). Because every slot remembers its position,
   this is exact whatever the slot order, after any eviction, for any batch row.
-* :func:`attention` -- float32 softmax attention in query blocks, returning the output, the
+* :func:`attention` -- float32 softmax attention in query blocks, under the slot positions'
+  visibility or under the mask mlx-lm hands a layer (None, ``"causal"`` or an array), returning the output, the
   attention mass ``A_j = sum_i w_i softmax_j(q_i . k_j * scale)`` per key (mean over the query
   heads of each GQA group, or per query head), or both from one softmax. Extra key blocks
   (e.g. a quantized store) join the same softmax through :class:`ExtraKeys`.
@@ -68,9 +69,10 @@ def attention(
     keys: mx.array,
     values: Optional[mx.array],
     scale: float,
-    key_positions: mx.array,
-    query_positions: mx.array,
+    key_positions: Optional[mx.array] = None,
+    query_positions: Optional[mx.array] = None,
     *,
+    mask=None,
     query_weight: Optional[mx.array] = None,
     mass: Optional[str] = None,
     last: Optional[int] = None,
@@ -81,8 +83,10 @@ def attention(
     """Masked float32 attention of ``queries`` over the stored slots (plus ``extra``).
 
     queries ``[B, H_q, N, D]`` at ``query_positions`` ``[B, 1, N]``; keys/values
-    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`;
-    ``key_positions=None``: every key is visible to every query).
+    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`). Without
+    positions, ``mask`` says what each query sees, as in mlx-lm's attention: None (every key),
+    ``"causal"`` (bottom-right aligned: query ``i`` sees keys ``0 .. T - N + i``), or an array
+    ``[N, T]``, ``[B, N, T]``, ``[B, 1 | H_q, N, T]`` (bool: True = visible; else additive).
     ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
     (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
@@ -96,18 +100,29 @@ def attention(
     q = _f32(queries).reshape(b, h_kv, g, n, d) * scale
     kt = mx.expand_dims(_f32(keys), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
     v = None if values is None else mx.expand_dims(_f32(values), 2)
-    qpos = None
     if key_positions is not None:
-        qpos = query_positions if query_positions.ndim == 3 else query_positions.reshape(1, 1, n)
+        qpos = mx.broadcast_to(query_positions, (query_positions.shape[0], 1, n)) if query_positions.ndim == 3 \
+            else mx.broadcast_to(query_positions.reshape(1, 1, n), (1, 1, n))
+    # a causal block never sees the keys after its last query: skip them (unless the mass needs all)
+    cut = key_positions is None and isinstance(mask, str) and mask == "causal" and mass is None
     outs, total = [], None
     for i0 in range(start, n, block):
         i1 = min(i0 + block, n)
         qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
+        if outs or total is not None:
+            # one block at a time: MLX would otherwise run the blocks' matmuls side by side and
+            # hold every block's logits at once, which defeats the blocking
+            qb = mx.depends([qb], [outs[-1] if outs else total])[0]
         parts = [e.logits(qb) for e in extra]
-        logits = qb @ kt
-        if qpos is not None:
+        if key_positions is not None:
             vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]
-            logits = mx.where(vis, logits, NEG)
+        else:
+            vis = _block_mask(mask, i0, i1, n, t, h_kv, g)
+        tb = t - n + i1 if cut else t
+        logits = qb @ (kt if tb == t else kt[..., :tb])
+        if vis is not None:
+            vis = vis if tb == t else vis[..., :tb]
+            logits = mx.where(vis, logits, NEG) if vis.dtype == mx.bool_ else logits + vis.astype(mx.float32)
         parts.append(logits)
         if sinks is not None:
             sink = sinks.astype(mx.float32).reshape(1, h_kv, g, 1, 1)
@@ -115,9 +130,9 @@ def attention(
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
         w = mx.softmax(logits, axis=-1)
         x0 = sum(p.shape[-1] for p in parts[: len(extra)])
-        ws = w[..., x0 : x0 + t] if (x0 or sinks is not None) else w
+        ws = w[..., x0 : x0 + tb] if (x0 or sinks is not None) else w
         if v is not None:
-            out = ws @ v
+            out = ws @ (v if tb == t else v[..., :tb, :])
             x = 0
             for e, p in zip(extra, parts):
                 out = out + e.output(w[..., x : x + p.shape[-1]])
@@ -125,7 +140,7 @@ def attention(
             outs.append(out)
         if mass is not None:
             wm = ws if query_weight is None else ws * query_weight[:, :, None, i0:i1, None].astype(mx.float32)
-            s = wm[..., 0, :] if wm.shape[-2] == 1 else wm.sum(axis=-2)  # [B, H_kv, G, T]
+            s = wm.sum(axis=-2)  # [B, H_kv, G, T]
             total = s if total is None else total + s
     out = None
     if v is not None:
@@ -139,6 +154,26 @@ def attention(
         elif mass != "heads":
             raise ValueError(f"mass must be None, 'group' or 'heads', got {mass!r}")
     return out, total
+
+
+def _block_mask(mask, i0: int, i1: int, n: int, t: int, h_kv: int, g: int):
+    """Rows ``i0:i1`` of an mlx-lm attention mask, broadcastable to ``[B, H_kv, G, rows, T]``
+    (bool: True = visible; a float array is additive); None for no mask."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}; expected None, 'causal' or an array")
+        ar = mx.arange(t - n + i0, t - n + i1, dtype=mx.int32)
+        return visibility(mx.arange(t, dtype=mx.int32), ar)  # key j visible iff j <= T - N + i
+    m = mask[..., i0:i1, :]
+    if m.ndim == 3:
+        return m[:, None, None]
+    if m.ndim == 4:
+        return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, i1 - i0, m.shape[-1])
+    if m.ndim != 2:
+        raise ValueError(f"attention mask must have 2, 3 or 4 dims, got shape {mask.shape}")
+    return m
 
 
 def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None):

@@ -7,7 +7,9 @@ leading ``"▁"`` appears once), the tokens after BOS are cut into windows of ``
 tokens and BOS is put in front of each window. Only full windows are used.
 
 For each window ``x_0 .. x_{W-1}`` and each cache (every registered method, mlx-lm's
-``RotatingKVCache`` and the full ``KVCache``) at each budget ``C``:
+``RotatingKVCache`` and the full ``KVCache``; mlx-lm's ``QuantizedKVCache`` when ``quantized2`` /
+``quantized4`` / ``quantized8`` are named in ``methods``, once, as it has no budget) at each
+budget ``C``:
 
 1. prefill ``x_0 .. x_{P-1}`` in one step (``P = prefill``);
 2. decode teacher-forced: feed ``x_t`` for ``t = P .. W-2``, one token per step, with the cache
@@ -31,7 +33,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from ._caches import entries, live_kv_bytes, make_cache
+from ._caches import QUANTIZED, entries, live_kv_bytes, make_cache, stored_tokens
 from ._options import DEFAULT_OUT, add_output_arguments, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
@@ -195,11 +197,14 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
             cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
                                registry=reg)
             nlls.append(window_nll(model, wb, cache, s["prefill"], s["step_tokens"]))
-        kept = float(np.mean([c.size() for c in cache]))
+        kept = float(np.mean([stored_tokens(c) for c in cache]))
         return np.concatenate(nlls, axis=0), kept, live_kv_bytes(cache) / len(batches[-1])
 
     todo = [e for e in entries(s["methods"], reg, s["extra"]) if e[1] != "full"]
-    grid = [("baseline", "full", {}, "full", None)] + [(*e, b) for b in s["budgets"] for e in todo]
+    # caches without a budget (full; mlx-lm's QuantizedKVCache, on request) run once
+    once = [(*e, None) for e in todo if e[1] in QUANTIZED]
+    grid = [("baseline", "full", {}, "full", None), *once] + [
+        (*e, b) for b in s["budgets"] for e in todo if e[1] not in QUANTIZED]
     full_nll = None
     results: list[dict] = []
     for kind, name, params, label, budget in (
@@ -258,6 +263,11 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
             f = rs[None]
             rows.append([m, *[f.get("ppl")] * len(budgets), *[0.0] * len(budgets), 1.0])
             continue
+        if list(rs) == [None]:  # no budget (mlx-lm's QuantizedKVCache): the same at every budget
+            f = rs[None]
+            rows.append([m, *[f.get("ppl", "error")] * len(budgets), *[f.get("gap")] * len(budgets),
+                         f.get("bytes_ratio")])
+            continue
         rows.append([m, *[rs.get(b, {}).get("ppl", "error") for b in budgets],
                      *[rs.get(b, {}).get("gap") for b in budgets],
                      rs.get(min(budgets), {}).get("bytes_ratio")])
@@ -285,7 +295,12 @@ def plot_perplexity(payload: dict, path) -> Path:
     gaps = [0.0]
     for k, lbl in enumerate(labels):
         pts = sorted((r["budget"], r["gap"]) for r in payload["results"]
-                     if r["label"] == lbl and r.get("gap") is not None)
+                     if r["label"] == lbl and r.get("gap") is not None and r["budget"] is not None)
+        flat = [r["gap"] for r in payload["results"] if r["label"] == lbl and r["budget"] is None
+                and r.get("gap") is not None]
+        if flat:  # no budget: one horizontal line
+            gaps.append(flat[0])
+            ax.axhline(flat[0], label=lbl, color=colors[k % len(colors)], linestyle="--", linewidth=1)
         if pts:
             xs, ys = zip(*pts)
             gaps += ys
@@ -330,7 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int_list, help="comma list of budgets (default 64,256)")
     parser.add_argument("--batch", type=int, help="windows decoded together (default 32)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered "
+                        "method); quantized2, quantized4, quantized8 add mlx-lm's QuantizedKVCache")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
     parser.add_argument("--step-tokens", type=int,
                         help="decode tokens per forward, as speculative decoding verifies drafts (default 1)")

@@ -4,8 +4,9 @@
 layers, hidden 1024, 16 query / 4 KV heads, head_dim 64, float32 weights) reads one seeded
 random prompt. For each budget ``C`` every cache kind -- each method (``make_prompt_cache(model,
 name, budget=C)``), ``rotating`` (``RotatingKVCache(C, keep)``) and, in the pass of
-``full_budget`` only, ``full`` (``KVCache``; it has no budget) -- advances in lockstep through
-the context checkpoints ``n_1 < n_2 < ...`` (default 1024, 2048, 4096, 8192):
+``full_budget`` only, ``full`` (``KVCache``; it has no budget) and, when named in ``methods``,
+mlx-lm's ``QuantizedKVCache`` (``quantized2`` / ``quantized4`` / ``quantized8``: no budget either,
+see :mod:`kvcompress.bench._caches`) -- advances in lockstep through the context checkpoints ``n_1 < n_2 < ...`` (default 1024, 2048, 4096, 8192):
 
 1. *prefill* from the previous checkpoint to ``n_i`` in chunks of ``prefill_step_size`` tokens
    (``model(chunk, cache)``, then ``mx.eval`` of the cache state, as ``mlx_lm.generate`` does),
@@ -43,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-from ._caches import cache_bytes, live_kv_bytes, make_cache, method_names, stored_tokens
+from ._caches import QUANTIZED, cache_bytes, live_kv_bytes, make_cache, method_names, stored_tokens
 from ._harness import Runner, median, paired, release, rotate, round_robin
 from ._model import DTYPES, ModelShape, build_model, random_tokens
 from ._options import add_output_arguments, check_minimums, int_list, name_list, options_given, out_dir
@@ -116,7 +117,10 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
 
     s = settings or ScalingSettings()
     say = progress or (lambda m: None)
-    methods = method_names(s.methods, registry or get_registry())
+    methods = method_names(s.methods, registry or get_registry(), allow=tuple(QUANTIZED))
+    # mlx-lm's QuantizedKVCache keeps every token (no budget): it runs once, in the full pass
+    quantized = [m for m in methods if m in QUANTIZED]
+    methods = [m for m in methods if m not in QUANTIZED]
     t_start = time.perf_counter()
     model = build_model(s)
     install(model)
@@ -124,18 +128,18 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     prompt = random_tokens(s, s.contexts[-1])
     decode_ids = random_tokens(s, 64, stream=2)
     payload: dict[str, Any] = {
-        "benchmark": "scaling", "machine": machine_info(), "settings": {**s.to_dict(), "methods": methods},
+        "benchmark": "scaling", "machine": machine_info(), "settings": {**s.to_dict(), "methods": methods + quantized},
         "weights_bytes": weights, "results": [], "errors": [],
     }
     n_blocks = s.decode_tokens // s.decode_block
     warmed: set = set()
     n_kinds = len(methods) + 1
-    total = s.contexts[-1] * (n_kinds * len(s.budgets) + (1 if s.full_pass else 0))
+    total = s.contexts[-1] * (n_kinds * len(s.budgets) + ((1 + len(quantized)) if s.full_pass else 0))
     pbar = progress_bar(total=total, desc="scaling", unit="tok", unit_scale=True) if bar else None
     if pbar is not None:
         say = pbar.write
     for budget in s.budgets:
-        kinds = [*methods, "rotating"] + (["full"] if budget == s.full_pass else [])
+        kinds = [*methods, "rotating"] + (["full", *quantized] if budget == s.full_pass else [])
 
         def runner(kind):
             return Runner(kind, model, make_cache(model, kind, budget, keep=s.keep), prompt, decode_ids, weights)
@@ -182,7 +186,7 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
                     sync[kind] = runners[kind].decode_sync(s.sync_tokens)
             for kind, r in runners.items():
                 payload["results"].append({
-                    "kind": kind, "budget": None if kind == "full" else budget, "pass_budget": budget,
+                    "kind": kind, "budget": None if kind in ("full", *QUANTIZED) else budget, "pass_budget": budget,
                     "context": n, "tokens_seen": r.pos + r.decoded,
                     "prefill_s": r.prefill_s, "decode_ms": 1e3 * median(times[kind]),
                     "decode_ms_blocks": [1e3 * t for t in times[kind]],
@@ -233,7 +237,7 @@ def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
             rec["decode_ratio_sync"] = median(sync)
             rec["cache_ratio"] = r["cache_bytes"] / rot["cache_bytes"]
             rec["peak_ratio"] = r["peak_bytes"] / rot["peak_bytes"]
-            if kind != "full" and rec["decode_ratio"] is not None:
+            if kind not in ("full", *QUANTIZED) and rec["decode_ratio"] is not None:
                 rec["decode_target_met"] = rec["decode_ratio"] >= 0.9
         out.append(rec)
     return out
@@ -329,7 +333,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--contexts", type=int_list, help="context checkpoints (default 1024,2048,4096,8192)")
     parser.add_argument("--budgets", type=int_list, help="tokens per layer (default 256,512,1024)")
     parser.add_argument("--methods", type=name_list,
-                        help="comma list of methods (default: every registered method)")
+                        help="comma list of methods (default: every registered method); quantized2, "
+                             "quantized4, quantized8 add mlx-lm's QuantizedKVCache to the full pass")
     parser.add_argument("--full-budget", type=int, help="the budget pass that also runs the full KVCache "
                         "(default: the middle budget; 0: none)")
     parser.add_argument("--decode-tokens", type=int, help="pipelined decode tokens per checkpoint (default 24)")

@@ -17,34 +17,51 @@ The codes are computed with exactly this min/max rule (:func:`kivi_quantize`) an
 MLX's affine layout (``b``-bit codes in ``uint32`` words from the low bits up, one scale and one
 bias per group in the cache's dtype), so ``mx.quantized_matmul`` and ``mx.dequantize`` read them.
 ``mx.quantize`` itself is not used: its affine mode moves the grid so that zero is exactly
-representable, which can cost up to ~1.8x the half-step error bound above. The "most recent
-tokens" are the cache's stored slots (``budget`` = KIVI's residual length); whatever the
-selector evicts enters a full-precision *buffer* held in the disposition state, and whole
-groups of ``g`` tokens leave the buffer for the packed store, so every key group spans ``g``
-evicted tokens (in position order) exactly as KIVI's per-channel groups do.
+representable, which can cost up to ~1.8x the half-step error bound above.
 
-Attention over the packed store never dequantizes it: ``q K^T`` is ``mx.quantized_matmul``
-with the packed ``K^T`` (``transpose=False``: ``K^T`` is quantized along its last axis) and
-``p V`` is ``mx.quantized_matmul`` with the packed ``V`` (``transpose=False``: ``V`` is
-quantized along ``D``). The logits of the packed store, the buffer and the stored slots are
-concatenated and normalised by one float32 softmax. Evicted tokens are always older than
-every query of the current step (eviction happens before a step's tokens are appended), so
-they are visible to all of them; the given mask applies to the stored slots only.
+**Rows.** The "most recent tokens" are the cache's stored slots (``budget`` = KIVI's residual
+length); whatever the selector evicts from a batch row enters that row's full-precision *buffer*
+(``g`` slots, the first ``n_buf[b]`` used), in position order, and every time a row's buffer
+holds ``g`` tokens they leave it as one group for the row's packed store (``n_quant[b]`` tokens,
+always whole groups). Each row's counts live on the host (:class:`KiviState`), so a step never
+syncs to know them; rows that free different numbers of tokens in one step (``ev.real``) each
+get exactly the groups, store and buffer they would have alone. The store is as wide as its
+widest row; a row's unused tail is zeros and is masked out of attention.
+
+**Attention** runs through :func:`kvcompress.ops.attention` (the project's one masked attention:
+one float32 softmax over ``[packed store | buffer | stored slots]``, the stored slots under the
+mask the cache hands the layer; evicted tokens are older than every query of the step, so each
+row sees all of its own, and a row's unused store/buffer columns are masked out):
+
+* a decode step (at most :data:`QMM_QUERIES` queries): the store joins as
+  :class:`kvcompress.ops.ExtraKeys` read by ``mx.quantized_matmul`` on the packed codes
+  (``transpose=False``: ``K^T`` is quantized along its last axis, ``V`` along ``D``), so it is
+  never materialised in full precision;
+* a chunk of queries: the store is dequantized once (one layer's float32 K/V, transient) and
+  put in front of the stored slots as one key block, and the queries run in blocks of at most
+  :data:`LOGITS_PER_BLOCK` logits, one block at a time, so the transient memory stays far below
+  the ``[H, N, T]`` scores mlx-lm's attention over a full cache allocates.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import attrs
 import mlx.core as mx
+import numpy as np
 from attrs.validators import in_, instance_of
 
+from kvcompress import ops
 from kvcompress.errors import ConfigError
 
 __all__ = ["KiviQuant", "KiviState", "kivi_quantize", "quantize_keys", "quantize_values"]
 
-_QUERY_BLOCK = 256  # queries per block in attend(): bounds the [.., N, T] logits of a long chunk
+#: decode steps with at most this many queries read the packed store with ``quantized_matmul``;
+#: longer steps dequantize it once and use float matmuls (much faster for many queries)
+QMM_QUERIES = 4
+#: float32 logits per query block of a prompt chunk (elements): bounds the transient memory
+LOGITS_PER_BLOCK = 1 << 22
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,15 +128,29 @@ def quantize_values(v: mx.array, group: int, bits: int):
 # State
 # --------------------------------------------------------------------------------------------
 
+#: (field, axis along T, T-units per token-column): keys' codes/params grow along their last
+#: axis (``K^T``), values' along axis 2; a key code word holds ``32/bits`` tokens and a key
+#: scale one group of tokens
+_KEY_FIELDS = ("kq", "ks", "kb")
+_VALUE_FIELDS = ("vq", "vs", "vb")
+_STORE_FIELDS = _KEY_FIELDS + _VALUE_FIELDS
+
 
 @attrs.define
 class KiviState:
-    """One layer's quantized store plus the full-precision buffer of a not yet whole group.
+    """One layer's packed store and full-precision buffer, for every batch row.
 
-    ``kq/ks/kb``: packed ``K^T`` ``[B, H, D, Tq*b/32]`` and its scales/zero points
-    ``[B, H, D, Tq/g]``; ``vq/vs/vb``: packed ``V`` ``[B, H, Tq, D'*b/32]`` and
-    ``[B, H, Tq, D'/g]``; ``buf_k/buf_v``: ``[B, H, n, D]`` evicted tokens waiting for a whole
-    group (``n < g``), oldest first. All ``None`` until the first eviction.
+    Arrays (``None`` until the first eviction), with ``W`` the store width (tokens, a multiple of
+    ``g``, = the largest ``n_quant``):
+
+    * ``kq`` ``[B, H, D, W*b/32]`` uint32 packed ``K^T``; ``ks``/``kb`` ``[B, H, D, W/g]`` its
+      scales and zero points;
+    * ``vq`` ``[B, H, W, D'*b/32]`` packed ``V``; ``vs``/``vb`` ``[B, H, W, D'/g]``;
+    * ``buf_k``/``buf_v`` ``[B, H, g, D]``: evicted tokens waiting for a whole group, oldest first.
+
+    Host ints per row: ``n_quant`` (tokens in the store, whole groups; columns past it are zeros)
+    and ``n_buf`` (< g; buffer slots past it are zeros). Empty lists: the rows are not known yet
+    (nothing stored or attended), which counts as one row holding nothing.
     """
 
     kq: Optional[mx.array] = None
@@ -130,27 +161,65 @@ class KiviState:
     vb: Optional[mx.array] = None
     buf_k: Optional[mx.array] = None
     buf_v: Optional[mx.array] = None
+    n_quant: list[int] = attrs.field(factory=list)
+    n_buf: list[int] = attrs.field(factory=list)
 
     @property
-    def n_quantized(self) -> int:
-        """Tokens (per head) held in packed form."""
+    def rows(self) -> int:
+        """Batch rows (1 while unknown)."""
+        return max(len(self.n_quant), 1)
+
+    @property
+    def width(self) -> int:
+        """Store width in tokens (the widest row's ``n_quant``)."""
         return 0 if self.vq is None else self.vq.shape[2]
 
     @property
-    def n_buffered(self) -> int:
-        """Evicted tokens (per head) still in full precision, waiting for a whole group."""
-        return 0 if self.buf_k is None else self.buf_k.shape[2]
-
-    @property
     def empty(self) -> bool:
-        return self.n_quantized == 0 and self.n_buffered == 0
+        """Nothing evicted yet (in any row)."""
+        return not any(self.n_quant) and not any(self.n_buf)
 
     def arrays(self) -> list:
-        return [self.kq, self.ks, self.kb, self.vq, self.vs, self.vb, self.buf_k, self.buf_v]
+        return [getattr(self, f) for f in (*_STORE_FIELDS, "buf_k", "buf_v")]
 
 
-def _cat(a: Optional[mx.array], b: mx.array, axis: int) -> mx.array:
-    return b if a is None else mx.concatenate([a, b], axis=axis)
+def _with_rows(state: KiviState, b: int) -> KiviState:
+    """``state`` with its host lists sized to ``b`` rows (a row-less state gets zeros)."""
+    if len(state.n_quant) == b:
+        return state
+    if state.n_quant and len(state.n_quant) != b:
+        raise ConfigError(f"kivi_quant state holds {len(state.n_quant)} rows but the step has {b}")
+    return attrs.evolve(state, n_quant=[0] * b, n_buf=[0] * b)
+
+
+def _units(field: str, group: int, bits: int) -> tuple[int, int]:
+    """``(axis, units per group)`` of a store field along its token axis."""
+    if field == "kq":
+        return -1, group * bits // 32
+    if field in ("ks", "kb"):
+        return -1, 1
+    if field == "vq" or field in ("vs", "vb"):
+        return 2, group
+    raise KeyError(field)
+
+
+def _take(x: mx.array, axis: int, idx: np.ndarray) -> mx.array:
+    """``x`` gathered along ``axis`` with per-row indices ``idx`` ``[B, n]`` (host ints)."""
+    b, n = idx.shape
+    shape = [b] + [1] * (x.ndim - 1)
+    shape[axis] = n
+    return mx.take_along_axis(x, mx.array(idx.astype(np.int32)).reshape(shape), axis=axis)
+
+
+def _group_index(groups: np.ndarray, unit: int) -> np.ndarray:
+    """Group indices ``[B, G]`` -> unit indices ``[B, G*unit]``."""
+    return (groups[..., None] * unit + np.arange(unit)).reshape(groups.shape[0], -1)
+
+
+def _zero_group(x: mx.array, axis: int, unit: int) -> mx.array:
+    shape = list(x.shape)
+    shape[axis] = unit
+    return mx.zeros(shape, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,128 +241,285 @@ class KiviQuant:
     requires: ClassVar[frozenset] = frozenset()
     provides: ClassVar[frozenset] = frozenset({"quantized_store"})
 
-    # -- optional disposition hooks ---------------------------------------------------------
+    # -- optional hooks ----------------------------------------------------------------------
 
-    def init_state(self, layer) -> KiviState:
+    def init_state(self, layer=None) -> KiviState:
         return KiviState()
 
     def diagnostics(self, state) -> dict:
+        """``quantized_tokens`` and ``buffered_tokens`` per row (per KV head)."""
         if not isinstance(state, KiviState):
             return {}
-        return {"quantized_tokens": state.n_quantized, "buffered_tokens": state.n_buffered}
+        return {"quantized_tokens": list(state.n_quant or [0]), "buffered_tokens": list(state.n_buf or [0])}
+
+    def take_rows(self, state: KiviState, rows: list) -> KiviState:
+        """The given rows (the store cut to their widest ``n_quant``)."""
+        if not state.n_quant:
+            return KiviState(n_quant=[0] * len(rows), n_buf=[0] * len(rows))
+        nq = [state.n_quant[i] for i in rows]
+        out = KiviState(n_quant=nq, n_buf=[state.n_buf[i] for i in rows])
+        idx = mx.array(rows, dtype=mx.int32)
+        width = max(nq, default=0)
+        for f in (*_STORE_FIELDS, "buf_k", "buf_v"):
+            x = getattr(state, f)
+            if x is None:
+                continue
+            x = x[idx]
+            if f in _STORE_FIELDS and width < state.width:
+                x = self._cut(f, x, width)
+            setattr(out, f, x)
+        return out
+
+    def stack_rows(self, states: list) -> KiviState:
+        """One state holding every state's rows in order (stores padded to the widest)."""
+        states = [s if isinstance(s, KiviState) else KiviState() for s in states]
+        out = KiviState(n_quant=[x for s in states for x in (s.n_quant or [0])],
+                        n_buf=[x for s in states for x in (s.n_buf or [0])])
+        width = max(s.width for s in states)
+        for fields in (("buf_k", "buf_v"), _STORE_FIELDS):
+            like = next((s for s in states if getattr(s, fields[0]) is not None), None)
+            if like is None:
+                continue
+            for f in fields:
+                parts = []
+                for s in states:
+                    x = getattr(s, f)
+                    if x is None:  # rows that hold nothing here: zeros
+                        shape = list(getattr(like, f).shape)
+                        shape[0] = s.rows
+                        if f in _STORE_FIELDS:
+                            shape[_units(f, self.group, self.bits)[0]] = 0
+                        x = mx.zeros(shape, getattr(like, f).dtype)
+                    if f in _STORE_FIELDS and x.shape[2 if f[0] == "v" else -1] < self._units_of(f, width):
+                        axis, _ = _units(f, self.group, self.bits)
+                        pad = [(0, 0)] * x.ndim
+                        pad[axis] = (0, self._units_of(f, width) - x.shape[axis])
+                        x = mx.pad(x, pad)
+                    parts.append(x)
+                setattr(out, f, mx.concatenate(parts, axis=0))
+        return out
+
+    def _units_of(self, field: str, width: int) -> int:
+        """Entries of ``field`` along its token axis for a store ``width`` tokens wide."""
+        return width // self.group * _units(field, self.group, self.bits)[1]
+
+    def _cut(self, field: str, x: mx.array, width: int) -> mx.array:
+        axis, unit = _units(field, self.group, self.bits)
+        n = width // self.group * unit
+        return x[..., :n] if axis == -1 else x[:, :, :n]
 
     # -- eviction ----------------------------------------------------------------------------
 
     def dispose(self, ev):
-        """Move the evicted slots into the buffer (in position order); pack whole groups."""
+        """Move each row's evicted slots into its buffer (in position order); pack whole groups."""
         state = ev.state
         if not isinstance(state, KiviState):
             raise ConfigError(
                 "kivi_quant keeps evicted tokens in per-cache state; use it through "
                 "CompressedKVCache (which calls init_state), not dispose() alone"
             )
-        if ev.real is not None:
-            raise ConfigError(
-                "kivi_quant cannot yet batch rows that free different numbers of tokens in one step"
-            )
-        pos = mx.take_along_axis(ev.positions, ev.evict, axis=-1)
-        evict = mx.take_along_axis(ev.evict, mx.argsort(pos, axis=-1), axis=-1)[..., None]
-        k_out = mx.take_along_axis(ev.keys, evict, axis=2)
-        v_out = mx.take_along_axis(ev.values, evict, axis=2)
-        self._push(state, k_out, v_out)
+        b, e = ev.evict.shape[0], ev.evict.shape[-1]
+        counts = [int(c) for c in ev.counts] if ev.counts else [e] * b
+        evict = ev.evict
+        if e > 1:  # the row's real entries first, in position order
+            pos = mx.take_along_axis(ev.positions, evict, axis=-1)
+            if ev.real is not None:
+                pos = mx.where(ev.real, pos, mx.array(2**31 - 1, pos.dtype))
+            evict = mx.take_along_axis(evict, mx.argsort(pos, axis=-1), axis=-1)
+        k_out = mx.take_along_axis(ev.keys, evict[..., None], axis=2)
+        v_out = mx.take_along_axis(ev.values, evict[..., None], axis=2)
+        ev.state = self._push(_with_rows(state, b), k_out, v_out, counts)
         return ev.keys, ev.values, ev.scores
 
-    def _push(self, state: KiviState, k: mx.array, v: mx.array) -> None:
-        buf_k = _cat(state.buf_k, k, axis=2)
-        buf_v = _cat(state.buf_v, v, axis=2)
-        n = buf_k.shape[2]
-        m = (n // self.group) * self.group
-        if m:
-            kq, ks, kb = quantize_keys(buf_k[:, :, :m], self.group, self.bits)
-            vq, vs, vb = quantize_values(buf_v[:, :, :m], self.group, self.bits)
-            # keys grow along T = the last axis of K^T, values along T = axis 2
-            state.kq, state.ks, state.kb = _cat(state.kq, kq, 3), _cat(state.ks, ks, 3), _cat(state.kb, kb, 3)
-            state.vq, state.vs, state.vb = _cat(state.vq, vq, 2), _cat(state.vs, vs, 2), _cat(state.vb, vb, 2)
-            buf_k, buf_v = buf_k[:, :, m:], buf_v[:, :, m:]
-        state.buf_k, state.buf_v = buf_k, buf_v
+    def _push(self, state: KiviState, k: mx.array, v: mx.array, counts: list) -> KiviState:
+        """Append ``counts[b]`` tokens of ``k``/``v`` ``[B, H, E, D]`` to row ``b``'s buffer and
+        move every whole group to the row's store (all rows at once; host-side index plans)."""
+        g = self.group
+        b, h, e, _ = k.shape
+        nb, nq = list(state.n_buf), list(state.n_quant)
+        buf_k = state.buf_k if state.buf_k is not None else mx.zeros((b, h, g, k.shape[-1]), k.dtype)
+        buf_v = state.buf_v if state.buf_v is not None else mx.zeros((b, h, g, v.shape[-1]), v.dtype)
+        total = [x + c for x, c in zip(nb, counts)]
+        packed = [x // g * g for x in total]
+        rest = [x - p for x, p in zip(total, packed)]
+        # row b's token j (buffer first, then its new tokens) sits at seq[j] (j < nb) or g + j - nb
+        seq_k = mx.concatenate([buf_k, k], axis=2)
+        seq_v = mx.concatenate([buf_v, v], axis=2)
 
-    def dequantize(self, state: KiviState):
-        """``(K, V)`` ``[B, H, Tq, D]`` of the packed store (for tests and diagnostics only)."""
-        if state.n_quantized == 0:
+        def src(j: np.ndarray) -> np.ndarray:
+            lead = np.array(nb)[:, None]
+            return np.where(j < lead, j, g + j - lead)
+
+        # the new buffers: tokens packed[b] .. total[b]-1, zeros after
+        j = np.array(packed)[:, None] + np.arange(g)[None]
+        keep = np.arange(g)[None] < np.array(rest)[:, None]
+        idx = np.where(keep, src(j), 0)
+        valid = mx.array(keep).reshape(b, 1, g, 1)
+        new_k = mx.where(valid, _take(seq_k, 2, idx), mx.zeros((), k.dtype))
+        new_v = mx.where(valid, _take(seq_v, 2, idx), mx.zeros((), v.dtype))
+        out = attrs.evolve(state, buf_k=new_k, buf_v=new_v, n_buf=rest)
+        m = max(packed)
+        if m == 0:
+            return out
+        # pack tokens 0 .. packed[b]-1 of every row (rows with fewer pack groups that are dropped)
+        jj = np.arange(m)[None].repeat(b, axis=0)
+        idx = np.where(jj < np.array(packed)[:, None], src(jj), 0)
+        kq, ks, kb = quantize_keys(_take(seq_k, 2, idx), g, self.bits)
+        vq, vs, vb = quantize_values(_take(seq_v, 2, idx), g, self.bits)
+        new = dict(kq=kq, ks=ks, kb=kb, vq=vq, vs=vs, vb=vb)
+        if len(set(nq)) == 1 and len(set(packed)) == 1:  # rows in step: append
+            for f in _STORE_FIELDS:
+                old = getattr(state, f)
+                axis, _ = _units(f, g, self.bits)
+                setattr(out, f, new[f] if old is None or nq[0] == 0 else mx.concatenate([old, new[f]], axis=axis))
+        else:  # row b: its store, then its new groups, then zeros (one gather per field)
+            old_groups = state.width // g
+            width = max(q + p for q, p in zip(nq, packed)) // g
+            c = np.arange(width)[None]
+            have, add = np.array(nq)[:, None] // g, np.array(packed)[:, None] // g
+            groups = np.where(c < have, c, np.where(c < have + add, old_groups + c - have, old_groups + m // g))
+            for f in _STORE_FIELDS:
+                axis, unit = _units(f, g, self.bits)
+                parts = [new[f], _zero_group(new[f], axis, unit)]
+                if state.vq is not None:
+                    parts.insert(0, getattr(state, f))
+                setattr(out, f, _take(mx.concatenate(parts, axis=axis), axis, _group_index(groups, unit)))
+        out.n_quant = [q + p for q, p in zip(nq, packed)]
+        return out
+
+    def dequantize(self, state: KiviState, dtype=None):
+        """``(K, V)`` ``[B, H, W, D]`` of the packed store (row ``b``'s first ``n_quant[b]``
+        tokens are its own) in ``dtype`` (default: the cache's); ``(None, None)`` when empty."""
+        if state.vq is None or state.width == 0:
             return None, None
-        k = mx.dequantize(state.kq, state.ks, state.kb, group_size=self.group, bits=self.bits)
-        v = mx.dequantize(state.vq, state.vs, state.vb, group_size=self.group, bits=self.bits)
+        k = _unpack(state.kq, state.ks, state.kb, self.group, self.bits, dtype)
+        v = _unpack(state.vq, state.vs, state.vb, self.group, self.bits, dtype)
         return k.swapaxes(-1, -2), v[..., : state.buf_v.shape[-1]]
 
     # -- attention ---------------------------------------------------------------------------
 
     def attend(self, state, queries, keys, values, scale, mask, sinks, sdpa):
-        """``softmax([q Kq^T | q Kbuf^T | q K^T + mask] * scale) [Vq; Vbuf; V]`` (see module doc)."""
-        if state is None or state.empty:
+        """Attention over ``[packed store | buffer | stored slots]`` (see the module doc)."""
+        if isinstance(state, KiviState) and not state.n_quant:
+            # remember the rows (so a batch that never evicted still stacks right)
+            state.n_quant, state.n_buf = [0] * queries.shape[0], [0] * queries.shape[0]
+        if not isinstance(state, KiviState) or state.empty:
             return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
-        b, h_q, n, d = queries.shape
-        h_kv, t = keys.shape[1], keys.shape[2]
-        if h_q % h_kv:
-            raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-        g = h_q // h_kv
-        dv = values.shape[-1]
-        nq, nb = state.n_quantized, state.n_buffered
-        q = (queries.astype(mx.float32) * scale).reshape(b, h_kv, g, n, d)
-        k_t = mx.expand_dims(keys.astype(mx.float32).swapaxes(-1, -2), 2)  # [B, H_kv, 1, D, T]
-        v_s = mx.expand_dims(values.astype(mx.float32), 2)
-        if nb:
-            kb_t = mx.expand_dims(state.buf_k.astype(mx.float32).swapaxes(-1, -2), 2)
-            vb_s = mx.expand_dims(state.buf_v.astype(mx.float32), 2)
+        b, h_q, n, _ = queries.shape
+        if n <= QMM_QUERIES and state.width:
+            extra = self.quantized_keys(state, values.shape[-1])
+            buf_k, buf_v, buf_ok = self._buffer(state)
+            if buf_k.shape[2]:
+                extra.append(_float_keys(buf_k.swapaxes(-1, -2), buf_v, buf_ok))
+            out, _ = ops.attention(queries, keys, values, scale, mask=mask, extra=extra, sinks=sinks)
+            return out
+        # a chunk: one float32 key block [dequantized store | buffer | stored slots]
+        old_k, old_v, ok = self.dequantized(state)
+        x = old_k.shape[2]
+        keys = mx.concatenate([old_k, keys.astype(mx.float32)], axis=2)
+        values = mx.concatenate([old_v, values.astype(mx.float32)], axis=2)
+        mask = _prepend_visible(mask, ok, b, x, n, keys.shape[2] - x)
+        block = max(16, min(ops.QUERY_BLOCK, LOGITS_PER_BLOCK // max(b * h_q * keys.shape[2], 1)))
+        out, _ = ops.attention(queries, keys, values, scale, mask=mask, sinks=sinks, block=block)
+        return out
+
+    def _buffer(self, state: KiviState):
+        """Every row's buffered tokens ``[B, H, n, D]`` float32 (``n`` = the fullest row's) and
+        which are real (``[B, n]`` bool, or None when all are)."""
+        b, nbw = len(state.n_buf), max(state.n_buf)
+        ok = None if all(x == nbw for x in state.n_buf) else (
+            mx.arange(nbw).reshape(1, nbw) < mx.array(state.n_buf).reshape(b, 1))
+        return state.buf_k[:, :, :nbw].astype(mx.float32), state.buf_v[:, :, :nbw].astype(mx.float32), ok
+
+    def _store_ok(self, state: KiviState):
+        width = state.width
+        if all(q == width for q in state.n_quant):
+            return None
+        return mx.arange(width).reshape(1, width) < mx.array(state.n_quant).reshape(len(state.n_quant), 1)
+
+    def dequantized(self, state: KiviState):
+        """``(K, V, ok)``: the store and the buffer as float32 ``[B, H, X, D]`` keys and values
+        (``X`` = store width + the fullest buffer) and ``ok`` ``[B, X]`` (None: every column
+        is real in every row)."""
+        buf_k, buf_v, buf_ok = self._buffer(state)
+        if not state.width:
+            return buf_k, buf_v, buf_ok
+        kd, vd = self.dequantize(state, mx.float32)
+        k = mx.concatenate([kd, buf_k], axis=2)
+        v = mx.concatenate([vd, buf_v], axis=2)
+        return k, v, _cat_valid(self._store_ok(state), buf_ok, len(state.n_quant), state.width, buf_k.shape[2])
+
+    def quantized_keys(self, state: KiviState, dv: int) -> list:
+        """The packed store as :class:`kvcompress.ops.ExtraKeys` read by ``quantized_matmul``
+        (``q K^T`` on ``K^T``'s codes, ``p V`` on ``V``'s; a row's unused columns masked)."""
+        width, ok = state.width, self._store_ok(state)
         qargs = dict(transpose=False, group_size=self.group, bits=self.bits)
-        outs = []
-        for i0 in range(0, n, _QUERY_BLOCK):
-            i1 = min(i0 + _QUERY_BLOCK, n)
-            qb = q[:, :, :, i0:i1]  # [B, H_kv, G, nb, D]
-            m = i1 - i0
-            parts = []
-            if nq:
-                flat = qb.reshape(b, h_kv, g * m, d)
-                sq = mx.quantized_matmul(flat, state.kq, state.ks, state.kb, **qargs)
-                parts.append(sq.reshape(b, h_kv, g, m, nq))
-            if nb:
-                parts.append(qb @ kb_t)
-            parts.append(_masked(qb @ k_t, mask, i0, i1, n, t, h_kv, g))
-            if sinks is not None:
-                sink = sinks.astype(mx.float32).reshape(1, h_kv, g, 1, 1)
-                parts.append(mx.broadcast_to(sink, (b, h_kv, g, m, 1)))
-            p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1)
-            out = p[..., nq + nb : nq + nb + t] @ v_s
-            if nq:
-                pq = p[..., :nq].reshape(b, h_kv, g * m, nq)
-                oq = mx.quantized_matmul(pq, state.vq, state.vs, state.vb, **qargs)[..., :dv]
-                out = out + oq.reshape(b, h_kv, g, m, dv)
-            if nb:
-                out = out + p[..., nq : nq + nb] @ vb_s
-            outs.append(out)
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
-        return out.reshape(b, h_q, n, dv).astype(queries.dtype)
+
+        def logits(q):  # q [B, H, G, n, D] float32, scaled
+            bb, h, gg, m, d = q.shape
+            s = mx.quantized_matmul(q.reshape(bb, h, gg * m, d), state.kq, state.ks, state.kb, **qargs)
+            return _mask_cols(s.reshape(bb, h, gg, m, width), ok)
+
+        def output(p):  # p [B, H, G, n, W]
+            bb, h, gg, m, w = p.shape
+            o = mx.quantized_matmul(p.reshape(bb, h, gg * m, w), state.vq, state.vs, state.vb, **qargs)
+            return o[..., :dv].reshape(bb, h, gg, m, dv)
+
+        return [ops.ExtraKeys(logits=logits, output=output)]
 
 
-def _masked(logits: mx.array, mask: Any, i0: int, i1: int, n: int, t: int, h_kv: int, g: int) -> mx.array:
-    """Apply the model's mask (rows ``i0:i1``) to ``[B, H_kv, G, rows, T]`` stored-slot logits.
-
-    ``"causal"`` is bottom-right aligned (query ``i`` sits at slot ``t - n + i``); arrays are
-    bool (True = visible) or additive, ``[rows, T]``, ``[B, 1, rows, T]`` or ``[B, H_q, rows, T]``.
-    """
+def _prepend_visible(mask, ok, b: int, x: int, n: int, t: int):
+    """The mask over ``[x extra keys | t stored slots]`` from the stored slots' ``mask`` (None,
+    ``"causal"`` or an array ``[.., n, t]``): every query sees the extra keys that ``ok``
+    ``[B, x]`` marks (None: all of them)."""
+    if x == 0:
+        return mask
+    if ok is None and (mask is None or isinstance(mask, str)):
+        return mask  # still bottom-right aligned: the extra keys precede every query's slots
     if mask is None:
+        base = mx.ones((1, 1, n, t), mx.bool_)
+    elif isinstance(mask, str):
+        base = ops.visibility(mx.arange(t, dtype=mx.int32), mx.arange(t - n, t, dtype=mx.int32))[None, None]
+    else:
+        base = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if base.dtype != mx.bool_:
+            raise ValueError("kivi_quant: additive attention masks are not supported with a quantized store")
+    rows = max(b, base.shape[0])
+    heads = base.shape[1]
+    left = mx.ones((rows, 1, 1, x), mx.bool_) if ok is None else ok.reshape(ok.shape[0], 1, 1, x)
+    left = mx.broadcast_to(left, (rows, heads, n, x))
+    return mx.concatenate([left, mx.broadcast_to(base, (rows, heads, n, t))], axis=-1)
+
+
+def _unpack(codes: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int, dtype=None) -> mx.array:
+    """``scale * code + bias`` of MLX's affine layout (what ``mx.dequantize`` gives), as a few
+    broadcast element-wise ops (faster than ``mx.dequantize`` on the CPU)."""
+    per = 32 // bits
+    dtype = dtype or scales.dtype
+    lead, j = codes.shape[:-1], scales.shape[-1]
+    shifts = mx.arange(per, dtype=mx.uint32) * bits
+    c = ((codes.reshape(*lead, j, group // per, 1) >> shifts) & (2**bits - 1)).astype(dtype)
+    x = c * scales.astype(dtype)[..., None, None] + biases.astype(dtype)[..., None, None]
+    return x.reshape(*lead, j * group)
+
+
+def _cat_valid(a, b_ok, rows: int, wa: int, wb: int):
+    if a is None and b_ok is None:
+        return None
+    a = mx.ones((rows, wa), mx.bool_) if a is None else a
+    b_ok = mx.ones((rows, wb), mx.bool_) if b_ok is None else b_ok
+    return mx.concatenate([a, b_ok], axis=1)
+
+
+def _mask_cols(logits: mx.array, ok) -> mx.array:
+    """Mask the columns ``ok`` ``[B, X]`` marks False (a row's unused store or buffer slots)."""
+    if ok is None:
         return logits
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unsupported attention mask {mask!r}; expected None, 'causal' or an array")
-        visible = mx.arange(t - n + i0, t - n + i1)[:, None] >= mx.arange(t)[None]
-        return mx.where(visible, logits, -mx.inf)
-    m = mask[..., i0:i1, :]
-    if m.ndim == 4 and m.shape[1] > 1:
-        m = m.reshape(m.shape[0], h_kv, g, i1 - i0, m.shape[-1])
-    elif m.ndim == 4:
-        m = mx.expand_dims(m, 2)
-    elif m.ndim == 3:
-        m = m[:, None, None]
-    if m.dtype == mx.bool_:
-        return mx.where(m, logits, -mx.inf)
-    return logits + m.astype(mx.float32)
+    return mx.where(ok[:, None, None, None, :], logits, ops.NEG)
+
+
+def _float_keys(keys_t: mx.array, values: mx.array, ok) -> ops.ExtraKeys:
+    """Float32 extra keys ``K^T`` ``[B, H, D, X]`` and values ``[B, H, X, D_v]``."""
+    kt = mx.expand_dims(keys_t, 2)
+    vv = mx.expand_dims(values, 2)
+    return ops.ExtraKeys(logits=lambda q: _mask_cols(q @ kt, ok), output=lambda p: p @ vv)
