@@ -147,9 +147,7 @@ def _read_saved_cache(path: str) -> list:
 
     try:
         return load_prompt_cache(path)
-    except KVCompressError:
-        raise
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+    except (KVCompressError, OSError, ValueError, RuntimeError, KeyError) as exc:
         why = " ".join(str(exc).split())
         raise ConfigError(f"--prompt-cache-file {path!r} is not a readable prompt cache ({why})") from exc
 
