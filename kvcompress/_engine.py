@@ -79,6 +79,7 @@ class _Engine(_BaseCache):
         self._last_slots = None
         self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
         self._off_cache: tuple = (None, None)
+        self._attn_keys = self._bias = None
         self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
 
     def __deepcopy__(self, memo):
@@ -354,6 +355,12 @@ class _Engine(_BaseCache):
         h_q, h = queries.shape[1], keys.shape[1]
         if isinstance(own, mx.array) and own.shape[1] == h and h_q != h:
             own = mx.repeat(own, h_q // h, axis=1)
+        # A model's additive mask is part of its attention scores (MLA's RoPE part): keep it,
+        # and hide empty slots from it. The keys it attends may be a projection of the stored ones.
+        bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
+        self._attn_keys, self._bias = keys, bias
+        if bias is not None:
+            own = bias if not isinstance(own, mx.array) else mx.where(own, bias, mx.finfo(bias.dtype).min)
         attend = self._hooks["disposition"].get("attend")
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
@@ -362,7 +369,7 @@ class _Engine(_BaseCache):
             _, valid, _ = self._pending
             out, self._step_mass = ops.attention(
                 queries, keys, values, scale, self._pos, self._qpos(n),
-                query_weight=self._query_weight(valid, n), mass="group",
+                query_weight=self._query_weight(valid, n), mass="group", bias=bias,
             )
             return out
         return sdpa(queries, keys, values, cache=None, scale=scale, mask=own, sinks=sinks)
@@ -416,19 +423,24 @@ class _Engine(_BaseCache):
         if qpos is None:
             qpos = self._qpos(S)
         k = self._attended if self._attended is not None else self._viewed_keys()
-        self._attended = None
+        bias = None
+        if not proxy and self._attn_keys is not None:  # what the attention really used
+            k, bias = self._attn_keys, self._bias
+        self._attended = self._attn_keys = self._bias = None
         mass, self._step_mass = self._step_mass, None
         before = (self._score, self._states["scorer"])
         obs = Observation(
             queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
-            all_visible=S == 1 and not self._holes(),
+            all_visible=S == 1 and not self._holes(), bias=bias,
             state=_state.snapshot(self._states["scorer"]), group=self.group,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)
         score = self.method.scorer.observe(self._score, obs)
+        if score.shape[1] != self._pos.shape[1]:  # attention over per-head projections of shared
+            score = score.mean(axis=1, keepdims=True)  # KV (MLA prefill): the group's mean
         self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         self._pending = None

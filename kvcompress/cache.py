@@ -76,12 +76,24 @@ class CompressedKVCache(_Engine):
             return None
         if not return_array:
             return "causal"
-        held = max(self._rows_n) if self._rows_n else 0
-        if self._rows_n:
-            need = [max(n - (b - 1), 0) if n + N > b else 0 for n, b in zip(self._rows_n, self._rows_budget)]
-            count = self._hooks["selector"].get("evict_count")
-            held = max(n - (int(count(e)) if count and e else e) for n, e in zip(self._rows_n, need))
-        return create_causal_mask(N, held)
+        # The model applies this one array to every layer: right only if all layers will hold
+        # the same number of slots after this step's eviction.
+        widths = {c._held_after(N) for c in self.group.caches() or [self]}
+        if len(widths) > 1:
+            raise ConfigError(
+                "this model applies one array attention mask to every layer, so its layers must keep "
+                f"the same number of tokens; per-layer budgets give {sorted(widths)} here. Use a "
+                "uniform budget with this model"
+            )
+        return create_causal_mask(N, widths.pop())
+
+    def _held_after(self, N: int) -> int:
+        """Tokens this cache will hold before appending a step of ``N`` (after its eviction)."""
+        if not self._rows_n:
+            return 0
+        need = [max(n - (b - 1), 0) if n + N > b else 0 for n, b in zip(self._rows_n, self._rows_budget)]
+        count = self._hooks["selector"].get("evict_count")
+        return max(n - (int(count(e)) if count and e else e) for n, e in zip(self._rows_n, need))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's ``kv_bits`` quantizes a full cache; it cannot wrap a compressed one."""

@@ -86,6 +86,8 @@ class Observation:
     proxy: bool = False
     #: every stored slot is visible to every query (a single token, no empty slot): no mask needed
     all_visible: bool = False
+    #: the model's own additive attention scores ``[B, H_q, N, T]`` (MLA's RoPE part), or None
+    bias: Optional[mx.array] = None
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
@@ -104,7 +106,7 @@ class Observation:
         if key not in self._cache:
             self._cache[key] = attention_mass(
                 self.queries, self.keys, self.scale, None if self.all_visible else self.positions,
-                self.query_positions, query_weight=self.query_weight, last=last,
+                self.query_positions, query_weight=self.query_weight, last=last, bias=self.bias,
             )
         return self._cache[key]
 

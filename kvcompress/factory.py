@@ -63,6 +63,19 @@ def _windowed(model: nn.Module, default: list) -> bool:
     return types is None or all(t != "full_attention" for t in types)
 
 
+def _shared_array_mask(model: nn.Module) -> bool:
+    """Whether the model builds one array mask from its first cache for all layers."""
+    import inspect
+
+    for obj in (model, getattr(model, "model", None)):
+        try:
+            if obj is not None and "return_array=True" in inspect.getsource(type(obj).__call__):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
 def make_prompt_cache(
     model: nn.Module,
     method: Union[str, MethodConfig, Method, dict, None] = "cam",
@@ -108,6 +121,12 @@ def make_prompt_cache(
             f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {n_total} layers"
         )
     blocks = slots
+    if _shared_array_mask(model) and ("layer_io" in m.budget.requires or len(set(budgets)) > 1):
+        raise ConfigError(
+            f"{type(model).__name__} applies one array attention mask to every layer, so its layers must "
+            f"keep the same number of tokens; budget {m.config.budget.name!r} gives layers different "
+            "budgets. Use a uniform budget with this model"
+        )
     install(model)
     if "layer_io" in m.budget.requires:
         install_layer_io(model, blocks)

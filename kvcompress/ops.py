@@ -73,6 +73,7 @@ def attention(
     query_positions: Optional[mx.array] = None,
     *,
     mask=None,
+    bias: Optional[mx.array] = None,
     query_weight: Optional[mx.array] = None,
     mass: Optional[str] = None,
     last: Optional[int] = None,
@@ -87,6 +88,8 @@ def attention(
     positions, ``mask`` says what each query sees, as in mlx-lm's attention: None (every key),
     ``"causal"`` (bottom-right aligned: query ``i`` sees keys ``0 .. T - N + i``), or an array
     ``[N, T]``, ``[B, N, T]``, ``[B, 1 | H_q, N, T]`` (bool: True = visible; else additive).
+    ``bias`` (same shapes as an array ``mask``) is added to the logits first: a model's own
+    additive scores, e.g. MLA's RoPE part (DeepSeek-V3 passes it as its attention mask).
     ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
     (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
@@ -120,6 +123,9 @@ def attention(
             vis = _block_mask(mask, i0, i1, n, t, h_kv, g)
         tb = t - n + i1 if cut else t
         logits = qb @ (kt if tb == t else kt[..., :tb])
+        if bias is not None:
+            add = _block_mask(bias, i0, i1, n, t, h_kv, g).astype(mx.float32)
+            logits = logits + (add if tb == t else add[..., :tb])
         if vis is not None:
             vis = vis if tb == t else vis[..., :tb]
             logits = mx.where(vis, logits, NEG) if vis.dtype == mx.bool_ else logits + vis.astype(mx.float32)
@@ -176,11 +182,12 @@ def _block_mask(mask, i0: int, i1: int, n: int, t: int, h_kv: int, g: int):
     return m
 
 
-def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None):
+def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None,
+                   bias=None):
     """``[B, H_kv, T]`` float32: :func:`attention`'s mass (mean over each GQA group) alone."""
     return attention(
         queries, keys, None, scale, key_positions, query_positions,
-        query_weight=query_weight, mass="group", last=last,
+        query_weight=query_weight, mass="group", last=last, bias=bias,
     )[1]
 
 

@@ -243,6 +243,16 @@ class KiviQuant:
 
     # -- optional hooks ----------------------------------------------------------------------
 
+    def bind(self, model, caches) -> None:
+        """Refuse models whose cache does not hold attention values (MLA: a latent and a RoPE key)."""
+        for layer in getattr(model, "layers", []) or []:
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None and hasattr(attn, "kv_lora_rank"):
+                raise ConfigError(
+                    f"kivi_quant quantizes the cached values, but {type(model).__name__} caches an MLA "
+                    "latent and RoPE keys (not values); use an eviction method with this model"
+                )
+
     def init_state(self, layer=None) -> KiviState:
         return KiviState()
 

@@ -1,0 +1,157 @@
+"""Compressed caches under mlx.distributed: 2 ranks on loopback (ring backend, ``mlx.launch``).
+
+For every registered method, greedy tokens under tensor parallelism (llama: KV heads split) and
+pipeline parallelism (qwen2: layers split) equal the single-process run, and each rank's kept
+positions equal the matching head (or layer) slice of the single-process cache. An MLA model
+(DeepSeek-V3 family: the latent cache replicated on every rank, query heads split) is exact too,
+because the cache agrees its scores across ranks. Tiny random-weight models are written to a temp
+folder with the embedded retrieval model's tokenizer.
+
+A run that cannot start the ranks skips with the reason, unless ``KVCOMPRESS_REQUIRE_DISTRIBUTED=1``
+(set by ``.ci/run``) turns that into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvcompress
+
+HERE = Path(__file__).resolve().parent
+ASSETS = Path(kvcompress.__file__).resolve().parent / "assets" / "retrieval"
+BUDGET, N_TOKENS = 40, 24
+#: methods the MLA model refuses at build time (with a clear error): per-layer budgets under its
+#: shared array mask, or a disposition that needs real cached values
+MLA_REFUSED = {"kivi", "h2o_kivi", "squeeze", "pyramidkv", "h2o_pyramid", "snapkv_merge"}
+
+sys.path.insert(0, str(HERE))
+import dist_worker  # noqa: E402
+
+
+def _write(model, args, folder: Path) -> Path:
+    from mlx.utils import tree_map
+    from mlx_lm.utils import save_config, save_model
+
+    # larger weights so greedy decoding of a random model is not one repeated token
+    model.update(tree_map(lambda p: p * 8 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    folder.mkdir(parents=True)
+    save_model(folder, model)
+    cfg = {k: v for k, v in vars(args).items() if not k.startswith("_") and v is not None}
+    cfg.setdefault("max_position_embeddings", 2048)
+    save_config(cfg, folder / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, folder / f)
+    (folder / "prompt.json").write_text(json.dumps(np.random.default_rng(1).integers(3, 70, 40).tolist()))
+    return folder
+
+
+def _models(root: Path) -> dict:
+    from mlx_lm.models import deepseek_v3, llama, qwen2
+
+    mx.random.seed(0)
+    common = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=8,
+                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=72, rope_theta=10000.0,
+                  tie_word_embeddings=True)
+    out = {}
+    a = llama.ModelArgs(model_type="llama", **common)
+    out["tp"] = _write(llama.Model(a), a, root / "llama")
+    a = qwen2.ModelArgs(model_type="qwen2", **common)
+    out["pp"] = _write(qwen2.Model(a), a, root / "qwen2")
+    a = deepseek_v3.ModelArgs(vocab_size=72, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                              n_routed_experts=None, first_k_dense_replace=4)
+    out["mla"] = _write(deepseek_v3.Model(a), a, root / "mla")
+    return out
+
+
+def _skip_or_fail(reason: str):
+    if os.environ.get("KVCOMPRESS_REQUIRE_DISTRIBUTED") == "1":
+        pytest.fail(f"distributed run required but: {reason}")
+    pytest.skip(reason)
+
+
+def _launch(model_dir: Path, mode: str, out: Path, methods: list) -> list:
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        _skip_or_fail("mlx.launch is not on PATH")
+    out.mkdir()
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, str(HERE / "dist_worker.py"),
+           str(model_dir), "tp" if mode == "mla" else mode, str(out), str(BUDGET), str(N_TOKENS), *methods]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mlx.launch {mode} did not finish in 420 s")
+    files = [out / f"rank{i}.json" for i in (0, 1)]
+    if not all(f.exists() for f in files):
+        tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+        if "Address already in use" in tail or "Connection refused" in tail:
+            _skip_or_fail(f"the ring backend could not start on loopback:\n{tail}")
+        pytest.fail(f"mlx.launch {mode} exited {r.returncode} without results:\n{tail}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    methods = sorted(kvcompress.get_registry().methods)
+    root = tmp_path_factory.mktemp("dist")
+    models = _models(root)
+    out = {}
+    for mode in ("tp", "pp", "mla"):
+        ranks = _launch(models[mode], mode, root / f"out-{mode}", methods)
+        from mlx_lm.utils import load
+
+        model, _ = load(str(models[mode]))
+        prompt = mx.array(json.loads((models[mode] / "prompt.json").read_text()))
+        refs = {}
+        for m in methods:
+            try:
+                refs[m] = dist_worker.run(model, prompt, m, BUDGET, N_TOKENS)
+            except kvcompress.ConfigError as exc:
+                refs[m] = {"error": str(exc)}
+        out[mode] = (ranks, refs)
+    return out
+
+
+def _methods():
+    return sorted(kvcompress.get_registry().methods)
+
+
+@pytest.mark.parametrize("mode", ["tp", "pp", "mla"])
+@pytest.mark.parametrize("method", _methods())
+def test_ranks_equal_the_single_process_run(runs, mode, method):
+    if mode == "mla" and method == "knorm":
+        pytest.skip("MLA caches RMS-normalised latents, so every key norm is nearly equal and key-norm "
+                    "scores are decided by float rounding (TP sums heads in another order)")
+    ranks, refs = runs[mode]
+    ref = refs[method]
+    if mode == "mla" and method in MLA_REFUSED:
+        for r in ranks:  # refused loudly on every rank, never run divergent
+            assert "ConfigError" in r["methods"][method].get("error", "") or "no budget" in r["methods"][method].get("error", "")
+        assert "error" in ref
+        return
+    assert "error" not in ref, ref.get("error")
+    layers_seen = set()
+    for r in ranks:
+        got = r["methods"][method]
+        assert "error" not in got, got.get("error")
+        assert got["tokens"] == ref["tokens"], f"rank {r['rank']}: tokens differ from the single-process run"
+        for layer, entry in got["layers"].items():
+            h, off = len(entry["positions"]), entry["head_offset"]
+            want = ref["layers"][layer]["positions"][off : off + h]
+            assert entry["positions"] == want, f"rank {r['rank']} layer {layer}: kept positions differ"
+            layers_seen.add(layer)
+    assert layers_seen == set(ref["layers"])  # between them the ranks hold every compressed layer
+    if mode == "pp":
+        assert not set(ranks[0]["methods"][method]["layers"]) & set(ranks[1]["methods"][method]["layers"])
