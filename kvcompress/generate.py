@@ -98,12 +98,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--verbose", action="store_true", help="print per-layer cache diagnostics")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the model's layers across ranks (default: its heads)")
 
 
 def check_args(args):
     """Check the options before the model loads; returns the method to build (None with a file)."""
     from .errors import ConfigError
+    from .mlxlm.distributed import world
 
+    group = world()
+    if group is not None:  # each rank holds its own part of the cache: one file per rank
+        for opt in ("prompt_cache_file", "save_prompt_cache"):
+            path = getattr(args, opt)
+            if path is not None:
+                p = Path(path)
+                setattr(args, opt, str(p.with_name(f"{p.stem}.rank{group.rank()}{p.suffix or '.safetensors'}")))
     if args.prompt_cache_file is not None:
         given = [f"--{o}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
         if given:
@@ -124,13 +134,22 @@ def check_args(args):
     return method_from_args(args)
 
 
-def load_model(name: str):
-    """``mlx_lm.load(name)``; a failure is one ConfigError naming the model."""
+def load_model(name: str, pipeline: bool = False):
+    """``mlx_lm.load(name)`` (``sharded_load`` when launched on several ranks with ``mlx.launch``:
+    tensor parallelism, or pipeline parallelism with ``pipeline``); a failure is one ConfigError
+    naming the model."""
     import mlx_lm
 
     from .errors import ConfigError
+    from .mlxlm.distributed import world
 
     try:
+        group = world()
+        if group is not None:
+            from mlx_lm.utils import sharded_load
+
+            return sharded_load(name, pipeline_group=group if pipeline else None,
+                                tensor_group=None if pipeline else group)
         return mlx_lm.load(name)
     except Exception as exc:  # mlx-lm and huggingface_hub raise many types for a bad name
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
@@ -237,7 +256,15 @@ def run(args) -> dict:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     continuing = args.prompt_cache_file is not None
     saved = _read_saved_cache(args.prompt_cache_file) if continuing else None
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, pipeline=args.pipeline)
+    from .mlxlm.distributed import world
+
+    group = world()
+    quiet = group is not None and group.rank() != 0  # every rank runs the loop; rank 0 prints
+
+    def say(*a, **kw):
+        if not quiet:
+            print(*a, **kw)
     if continuing:
         cache = _attach_saved_cache(saved, model, args.prompt_cache_file)
     else:
@@ -254,23 +281,25 @@ def run(args) -> dict:
         model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
         prompt_cache=cache, prefill_step_size=args.prefill_step_size,
     ):
-        print(resp.text, end="", flush=True)
+        say(resp.text, end="", flush=True)
         last = resp
-    print()
+    say()
     report = cache_report(cache)
     if last is not None:
-        print("=" * 10)
-        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-        print(f"Peak memory: {last.peak_memory:.3f} GB")
+        say("=" * 10)
+        say(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        say(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        say(f"Peak memory: {last.peak_memory:.3f} GB")
     ratio = report["full_bytes"] / report["held_bytes"] if report["held_bytes"] else 1.0
-    print(f"KV cache: {report['held_bytes'] / 1e6:.3f} MB held vs {report['full_bytes'] / 1e6:.3f} MB "
+    say(f"KV cache: {report['held_bytes'] / 1e6:.3f} MB held vs {report['full_bytes'] / 1e6:.3f} MB "
           f"for a full cache ({ratio:.2f}x smaller)")
     if args.verbose:
         for c in cache:
             if hasattr(c, "diagnostics"):
-                print(c.diagnostics)
+                say(c.diagnostics)
+    if group is not None:  # no rank leaves while another still runs the last queued step
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     if args.save_prompt_cache:
         save_prompt_cache(args.save_prompt_cache, cache)
-        print(f"saved cache to {args.save_prompt_cache}")
+        say(f"saved cache to {args.save_prompt_cache}")
     return {"report": report}
