@@ -19,6 +19,7 @@ BENCH_WORKLOADS = {
     "speed": "kvcompress.bench.speed",
     "scaling": "kvcompress.bench.scaling",
     "serve": "kvcompress.bench.serve",
+    "distributed": "kvcompress.bench.distributed",
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).

@@ -52,13 +52,14 @@ class PromptGroup:
         before any layer evicts with them, so one ``all_sum`` per step serves every layer."""
         import mlx.core as mx
 
-        from .mlxlm.distributed import world
+        from .mlxlm.distributed import record, world
 
         pending = [c for c in self.caches() if c._unreduced]
         if not pending:
             return
         parts = [c.reduction() for c in pending]
         flat = mx.concatenate([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+        record(flat)
         total = mx.distributed.all_sum(flat, group=world()) / pending[0].info.tp_size
         i = 0
         for c, p in zip(pending, parts):
@@ -130,7 +131,7 @@ def _gather_states(members: list, kind: str) -> list:
     import mlx.core as mx
 
     from ._state import flatten_state, restore_state
-    from .mlxlm.distributed import world
+    from .mlxlm.distributed import record, world
 
     first = members[0]
     comp = first.method.component(kind)
@@ -142,6 +143,7 @@ def _gather_states(members: list, kind: str) -> list:
         _, arrs = flatten_state(c._states[kind])
         row = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrs])
         table[c.info.layer] = row
+    record(table)
     table = mx.distributed.all_sum(table, group=world())
     out = []
     for layer in range(first.info.n_layers):

@@ -22,7 +22,16 @@ from typing import Optional
 import attrs
 import mlx.core as mx
 
-__all__ = ["Topology", "topology", "world"]
+__all__ = ["Topology", "topology", "world", "STATS", "record"]
+
+#: collectives kvcompress issued in this process (``calls``, payload ``bytes``), for benchmarks
+STATS = {"calls": 0, "bytes": 0}
+
+
+def record(array: mx.array) -> None:
+    """Count one collective of ``array``'s payload in :data:`STATS`."""
+    STATS["calls"] += 1
+    STATS["bytes"] += array.nbytes
 
 
 @attrs.frozen
