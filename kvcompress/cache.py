@@ -76,16 +76,9 @@ class CompressedKVCache(_Engine):
             return None
         if not return_array:
             return "causal"
-        # The model applies this one array to every layer: right only if all layers will hold
-        # the same number of slots after this step's eviction.
-        widths = {c._held_after(N) for c in self.group.caches() or [self]}
-        if len(widths) > 1:
-            raise ConfigError(
-                "this model applies one array attention mask to every layer, so its layers must keep "
-                f"the same number of tokens; per-layer budgets give {sorted(widths)} here. Use a "
-                "uniform budget with this model"
-            )
-        return create_causal_mask(N, widths.pop())
+        # The layout after this step's eviction. (Models that apply one array mask to every layer
+        # are refused per-layer budgets when the caches are built.)
+        return create_causal_mask(N, self._held_after(N))
 
     def _held_after(self, N: int) -> int:
         """Tokens this cache will hold before appending a step of ``N`` (after its eviction)."""
