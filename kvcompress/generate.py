@@ -7,6 +7,7 @@ checked before the model loads; every problem is a :class:`~kvcompress.ConfigErr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -300,6 +301,10 @@ def run(args) -> dict:
     if group is not None:  # no rank leaves while another still runs the last queued step
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     if args.save_prompt_cache:
-        save_prompt_cache(args.save_prompt_cache, cache)
+        # the metadata mlx-lm's cache_prompt writes, so `mlx_lm.generate --prompt-cache-file` reads it
+        meta = {"model": args.model, "tokenizer_config": json.dumps({})}
+        if getattr(tokenizer, "chat_template", None):
+            meta["chat_template"] = tokenizer.chat_template
+        save_prompt_cache(args.save_prompt_cache, cache, meta)
         say(f"saved cache to {args.save_prompt_cache}")
     return {"report": report}
