@@ -29,7 +29,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
-import kvcompress._engine as kvc_engine
+import kvcompress._engine_attend as kvc_engine
 from conftest import assert_step_accounting, make_caches, tiny_llama
 from kvcompress import CompressedKVCache, ConfigError, KVCompressError
 from kvcompress._state import flatten_state

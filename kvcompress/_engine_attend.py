@@ -1,0 +1,162 @@
+"""The engine's attention and observation: the exact slot mask, the fused attention-with-mass of
+a compressing chunk, the scorer's update from the step's real queries (or the key-as-query
+proxy), the cross-rank score agreement and the layer input/output service."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import mlx.core as mx
+
+from . import _state, ops
+from .contexts import Observation
+from .errors import KVCompressError
+
+#: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
+UNDO_TOKENS = 16
+_proxy_warned = False
+
+
+class _AttendMixin:
+    def step_mask(self, n: int) -> Any:
+        """The mask of the step just stored: None / "causal" without empty slots, else bool."""
+        if not self._holes():
+            return None if n == 1 else "causal"
+        if n == 1:
+            return (self._pos >= 0)[:, :, None, :]  # per KV head
+        # after compaction every row's empty slots are the same in every head
+        return ops.visibility(self._pos[:, :1], self._qpos(n))
+
+    def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
+        """The layer's attention; ``mask`` (the model's) is replaced by the exact slot mask."""
+        n = queries.shape[2]
+        own = self.step_mask(n)
+        h_q, h = queries.shape[1], keys.shape[1]
+        if isinstance(own, mx.array) and own.shape[1] == h and h_q != h:
+            own = mx.repeat(own, h_q // h, axis=1)
+        # A model's additive mask is part of its attention scores (MLA's RoPE part): keep it,
+        # and hide empty slots from it. The keys it attends may be a projection of the stored ones.
+        bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
+        self._attn_keys, self._bias = keys, bias
+        if bias is not None:
+            own = bias if not isinstance(own, mx.array) else mx.where(own, bias, mx.finfo(bias.dtype).min)
+        attend = self._hooks["disposition"].get("attend")
+        if attend is not None:
+            return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
+        if n > 1 and sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
+            # A compressing chunk: one softmax gives both the output and the scorer's mass.
+            _, valid, _ = self._pending
+            out, self._step_mass = ops.attention(
+                queries, keys, values, scale, self._pos, self._qpos(n),
+                query_weight=self._query_weight(valid, n), mass="group", bias=bias,
+            )
+            return out
+        return sdpa(queries, keys, values, cache=None, scale=scale, mask=own, sinks=sinks)
+
+    def _over_budget(self) -> bool:
+        return any(o > b for o, b in zip(self._rows_off, self._rows_budget))
+
+    def _query_weight(self, valid: list, n: int):
+        if all(x == n for x in valid):
+            return None
+        return (mx.arange(n).reshape(1, 1, n) < mx.array(valid, dtype=mx.int32).reshape(-1, 1, 1)).astype(mx.float32)
+
+    def observe(self, queries: mx.array, scale: float) -> None:
+        """Update scores from the real queries of the step that was just attended."""
+        if self._pending is None:
+            return
+        self._score_step(queries, scale, proxy=False)
+        self._query_steps += 1
+
+    def _unobserved_step(self) -> None:
+        """The model attended without mlx-lm's attention function: score with key-as-query."""
+        global _proxy_warned
+        if self._proxy_blocked():
+            raise KVCompressError(
+                "this model did not call mlx-lm's scaled_dot_product_attention with its cache, so "
+                "the cache cannot see the step's queries or mask its empty slots; batched and "
+                "padded compressed caches need that path (kvcompress.install(model))"
+            )
+        if not _proxy_warned:
+            warnings.warn(
+                "kvcompress: the model did not call mlx-lm's scaled_dot_product_attention with this "
+                "cache, so scores use the key-as-query proxy (see cache.score_source). Call "
+                "kvcompress.install(model) or use kvcompress.make_prompt_cache(model, ...).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            _proxy_warned = True
+        S = self._pending[0]
+        k = self.keys_and_values()[0]
+        q = k[..., self._n - S :, :] if self._last_slots is None else mx.take_along_axis(
+            k, self._last_slots[..., None], axis=2
+        )
+        self._score_step(q, q.shape[-1] ** -0.5, proxy=True)
+        self._proxy_steps += 1
+
+    def _proxy_blocked(self) -> bool:
+        return self._holes()
+
+    def _score_step(self, queries, scale, proxy) -> None:
+        S, valid, qpos = self._pending
+        if qpos is None:
+            qpos = self._qpos(S)
+        k = self._attended if self._attended is not None else self._viewed_keys()
+        bias = None
+        if not proxy and self._attn_keys is not None:  # what the attention really used
+            k, bias = self._attn_keys, self._bias
+        self._attended = self._attn_keys = self._bias = None
+        mass, self._step_mass = self._step_mass, None
+        before = (self._score, self._states["scorer"])
+        obs = Observation(
+            queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
+            offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
+            n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
+            all_visible=S == 1 and not self._holes(), bias=bias,
+            state=_state.snapshot(self._states["scorer"]), group=self.group,
+        )
+        if mass is not None and not proxy:
+            obs.seed_attention_mass(mass)
+        score = self.method.scorer.observe(self._score, obs)
+        if score.shape[1] != self._pos.shape[1]:  # attention over per-head projections of shared
+            score = score.mean(axis=1, keepdims=True)  # KV (MLA prefill): the group's mean
+        self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
+        self._states["scorer"] = obs.state
+        self._pending = None
+        self._unreduced = self._reduce
+        keep_q = S <= UNDO_TOKENS and not proxy
+        self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
+
+    def reduction(self) -> mx.array:
+        """This rank's part of the cross-rank score agreement: the scores (one head's row when
+        every head shares them)."""
+        return self._score[:, :1] if self._head_shared and not self.info.kv_replicated else self._score
+
+    def set_reduced(self, value: mx.array) -> None:
+        """The agreed scores (the mean over ranks of :meth:`reduction`)."""
+        self._score = mx.broadcast_to(value, self._score.shape) if value.shape != self._score.shape else value
+        self._unreduced = False
+
+    def _viewed_keys(self) -> mx.array:
+        k = self.keys_and_values()[0]
+        view = self._hooks["disposition"].get("view_keys")
+        return k if view is None else view(self._states["disposition"], k, self._pos, self._offset())
+
+    def wants_layer_io(self) -> bool:
+        """Whether the next forward is this prompt's first and the budget wants to see it."""
+        return self._wants_io and not self._io_seen and self.keys is None
+
+    def observe_layer_io(self, x: mx.array, out: mx.array) -> None:
+        """The layer's input ``x`` and attention output ``out`` ``[B, N, d]`` of the first forward."""
+        self._io_seen = True
+        n = x.shape[1]
+        weight = None
+        if any(v != n for v in self._last_valid):
+            weight = (mx.arange(n).reshape(1, n) < mx.array(self._last_valid).reshape(-1, 1)).astype(mx.float32)
+        self._states["budget"] = self._hooks["budget"]["observe_layer"](self._states["budget"], x, out, weight)
+        if "rebudget" in self._hooks["budget"] and all(c._io_seen for c in self.group.caches()):
+            if self.info.pp_size > 1:
+                self.group.rebudget_pending = True  # agreed across ranks at the next step's start
+            else:
+                self.group.rebudget()

@@ -1,0 +1,225 @@
+"""The engine's trimming, ``state`` (mlx-lm protocol), memory and diagnostics."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import mlx.core as mx
+
+from . import _state
+from .errors import ConfigError, KVCompressError
+
+_STATE_VERSION = 2
+
+
+class _StateMixin:
+    def is_trimmable(self) -> bool:
+        """True: the last step's tokens can always be trimmed exactly (see :meth:`trim`)."""
+        return True
+
+    def can_trim(self, n: int) -> bool:
+        """Whether :meth:`trim` can remove the last ``n`` tokens exactly."""
+        if n <= 0 or self.keys is None:
+            return True
+        if self._undo is None:
+            return False
+        S, valid, _, _, queries, _, _ = self._undo
+        if n > S or any(x != S for x in valid):
+            return False
+        return queries is not None or not self._needs_queries or n == S
+
+    def trim(self, n: int) -> int:
+        """Remove the last ``n`` tokens exactly, as if they had never been seen.
+
+        Eviction is deferred and its count does not depend on the step's size, so the tokens of
+        the last step can leave exactly: their slots are freed, and the scores are those of the
+        remaining tokens' queries. Anything older cannot be undone; that raises before anything
+        changes.
+        """
+        if n <= 0 or self.keys is None:
+            return 0
+        if not self.can_trim(n):
+            last = 0 if self._undo is None else self._undo[0]
+            raise KVCompressError(
+                f"cannot trim {n} token(s) exactly from a compressed cache: only the last step's "
+                f"{last} token(s) can be removed (older tokens already shaped evictions and scores)"
+            )
+        S, valid, qpos, (scores, sstate), queries, scale, proxy = self._undo
+        keep = S - n
+        if self._last_slots is not None:  # a single token written into a freed slot
+            self._pos = mx.put_along_axis(self._pos, self._last_slots, mx.full(self._last_slots.shape, -1, mx.int32), axis=-1)
+            self._score = scores
+        else:
+            self._n -= n
+            self._pos = self._pos[..., : self._n]
+            self._score = scores[..., : self._n]
+        self._rows_n = [x - n for x in self._rows_n]
+        self._rows_off = [o - n for o in self._rows_off]
+        self._states["scorer"] = sstate
+        self._undo = None
+        if not keep:  # the whole step leaves: so does its observation
+            if proxy:
+                self._proxy_steps -= 1
+            else:
+                self._query_steps -= 1
+        if keep:
+            self._pending = (keep, [keep] * len(self._rows_n), None)
+            self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
+        return n
+
+    def _meta(self) -> dict:
+        comp, n_arrays, arrays = {}, {}, []
+        for kind in ("scorer", "selector", "disposition", "budget"):
+            meta, arrs = _state.flatten_state(self._states[kind])
+            comp[kind] = meta
+            n_arrays[kind] = len(arrs)
+            arrays += arrs
+        return {
+            "version": _STATE_VERSION,
+            "config": self.method.config.to_dict(),
+            "info": attrs.asdict(self.info),
+            "budget": self._b_default,
+            "group": self.group.id,
+            "n": self._n,
+            "rows_n": self._rows_n,
+            "rows_off": self._rows_off,
+            "rows_budget": self._rows_budget,
+            "rows_evicted": self._rows_evicted,
+            "rounds": self._rounds,
+            "query_steps": self._query_steps,
+            "proxy_steps": self._proxy_steps,
+            "unreduced": self._unreduced,
+            "components": comp,
+            "n_component_arrays": n_arrays,
+        }, arrays
+
+    @property
+    def state(self):
+        meta, extra = self._meta()
+        text = json.dumps(meta)
+        if self.keys is None:
+            return [*extra, text]
+        k, v = self.keys_and_values()
+        return [*extra, k, v, self._pos, self._score, text]
+
+    @state.setter
+    def state(self, v):
+        *arrays, text = v
+        m = json.loads(text)
+        if m.get("version") != _STATE_VERSION:
+            raise ConfigError(f"unsupported kvcompress cache state version {m.get('version')!r} (expected {_STATE_VERSION})")
+        n_extra = sum(m["n_component_arrays"].values())
+        extra, arrays = arrays[:n_extra], arrays[n_extra:]
+        i = 0
+        for kind in ("scorer", "selector", "disposition", "budget"):
+            k = m["n_component_arrays"][kind]
+            comp = self.method.component(kind)
+            self._states[kind] = _state.restore_state(comp, m["components"][kind], extra[i : i + k])
+            i += k
+        if arrays:
+            self.keys, self.values, pos, score = arrays
+            self._pos, self._score = pos.astype(mx.int32), score.astype(mx.float32)
+        else:
+            self.keys = self.values = self._pos = self._score = None
+        self._b_default = int(m["budget"])
+        self._n = int(m["n"])
+        self._rows_n, self._rows_off = list(m["rows_n"]), list(m["rows_off"])
+        self._rows_budget, self._rows_evicted = list(m["rows_budget"]), list(m["rows_evicted"])
+        self._rounds = int(m["rounds"])
+        self._query_steps, self._proxy_steps = int(m["query_steps"]), int(m["proxy_steps"])
+        self._unreduced = bool(m.get("unreduced", False)) and self._reduce
+        self._pending = self._undo = None
+
+    @property
+    def meta_state(self):
+        return ""
+
+    @meta_state.setter
+    def meta_state(self, v):
+        pass  # everything lives in ``state``
+
+    def size(self) -> int:
+        return self._n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the cache holds (key/value buffers, positions, scores, states)."""
+        extra = sum(a.nbytes for kind in self._states for a in _state.flatten_state(self._states[kind])[1])
+        if self.keys is None:
+            return extra
+        return self.keys.nbytes + self.values.nbytes + self._pos.nbytes + self._score.nbytes + extra
+
+    @property
+    def score_source(self) -> str:
+        """``"queries"`` (real queries), ``"proxy"`` (key-as-query), ``"mixed"`` or ``"none"``."""
+        if self._proxy_steps and self._query_steps:
+            return "mixed"
+        if self._proxy_steps:
+            return "proxy"
+        return "queries" if self._query_steps else "none"
+
+    def _rowwise(self, values: list):
+        """A per-row figure as users see it (one value for a single-sequence cache)."""
+        raise NotImplementedError
+
+    def full_cache_nbytes(self) -> int:
+        """Bytes mlx-lm's ``KVCache`` would hold for the tokens seen (it grows in steps of 256)."""
+        if self.keys is None:
+            return 0
+        _, h, _, dk = self.keys.shape
+        dv = self.values.shape[-1]
+        per_token = h * (dk * self.keys.dtype.size + dv * self.values.dtype.size)
+        step = 256
+        return sum(-(-max(o, 0) // step) * step for o in self._rows_off) * per_token
+
+    @property
+    def diagnostics(self) -> dict:
+        """What the cache did: budget, tokens seen and kept, evictions (per row, per KV head),
+        the compression in tokens and in bytes, where scores came from, plus each component's
+        own figures (e.g. merges)."""
+        kept = self._rows_n or [0]
+        seen = self._rows_off or [0]
+        held = self.nbytes
+        out = {
+            "method": self.method.name,
+            "layer": self.info.layer,
+            "budget": self._rowwise(self._rows_budget or [self._b_default]),
+            "offset": self._rowwise(seen),
+            "tokens_kept": self._rowwise(kept),
+            "compression_tokens": self._rowwise([o / n if n else 1.0 for o, n in zip(seen, kept)]),
+            "compression_bytes": self.full_cache_nbytes() / held if held and self.keys is not None else 1.0,
+            "evictions": self._rowwise(self._rows_evicted or [0]),
+            "score_source": self.score_source,
+            "nbytes": held,
+        }
+        for kind, hooks in self._hooks.items():
+            if "diagnostics" in hooks:
+                for key, value in hooks["diagnostics"](self._states[kind]).items():
+                    out[key] = self._rowwise(value) if isinstance(value, list) else value
+        return out
+
+    @property
+    def tokens_kept(self):
+        """Tokens currently held (per row; every KV head holds the same count)."""
+        return self._rowwise(self._rows_n or [0])
+
+    @property
+    def evictions(self):
+        """Tokens evicted so far (per row, per KV head)."""
+        return self._rowwise(self._rows_evicted or [0])
+
+    def __deepcopy__(self, memo):
+        """A copy that continues exactly like the original; copies of a prompt's caches made in
+        one ``deepcopy`` share one new group."""
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        new.group.add(new.info.layer, new)
+        return new
