@@ -13,6 +13,12 @@ the budget, so no step needs a device sync to know what to do. One step of ``S``
 3. **Attend.** The mask comes from the slot positions (:func:`kvcompress.ops.visibility`), so it
    is exact for any layout; without empty slots it is plain ``None`` / ``"causal"``.
 4. **Observe.** The scorer updates the scores from the step's real queries.
+
+**Head groups.** A selector may let ``g`` KV heads share one row of slots (its ``head_group``
+hook): the row holds ``g * budget`` slots, each tagged with the head it belongs to (packed into
+the high bits of its stored position), so heads hold different numbers of tokens within the
+same bytes (AdaKV's head-wise budgets). A query head sees only its own head's slots; components
+get plain positions plus ``owner``. With ``g = 1`` (every other selector) nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from .errors import ConfigError
 from .group import PromptGroup, new_group
 
 __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
+
+_OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24 tokens)
+_POS_MASK = (1 << _OWNER_SHIFT) - 1
 
 
 def _ensure_wrapped() -> None:
@@ -76,6 +85,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._off_cache: tuple = (None, None)
         self._attn_keys = self._bias = None
         self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
+        self._g = 0  # KV heads per storage row (0: not known before the first step)
 
     def _check_budget(self, budget) -> int:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -104,6 +114,26 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
 
     def _holes(self) -> bool:
         return any(n != self._n for n in self._rows_n)
+
+    def _setup_groups(self, h: int) -> None:
+        """KV heads per storage row, from the selector's ``head_group`` hook (1 without it)."""
+        hook = self._hooks["selector"].get("head_group")
+        g = int(hook(self.info, h)) if hook is not None else 1
+        if g < 1 or h % g or g >= 128:
+            raise ConfigError(f"layer {self.info.layer}: head group {g} must divide the {h} KV heads (and be < 128)")
+        self._g = g
+
+    def _positions(self) -> mx.array:
+        """Token position of each slot (-1: empty), without the head-group owner bits."""
+        if self._g <= 1:
+            return self._pos
+        return mx.where(self._pos >= 0, self._pos & _POS_MASK, -1)
+
+    def _owner(self):
+        """Head of each slot within its row (head groups only; -1: empty), else None."""
+        if self._g <= 1:
+            return None
+        return mx.where(self._pos >= 0, self._pos >> _OWNER_SHIFT, -1)
 
     def _arr(self, values: list) -> mx.array:
         """``[B, 1, 1]`` int32 of per-row host values (a 0-d array when every row agrees)."""
@@ -143,22 +173,28 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         # every update, not only an empty cache's first: a cache loaded (or unpickled) in a fresh
         # process must find the wrapper installed too (a no-op once no new module was imported)
         _ensure_wrapped()
-        b, _, S, _ = keys.shape
+        b, h, S, _ = keys.shape
+        if not self._g:
+            self._setup_groups(h)
+        g = self._g
+        if g > 1:  # rows of g heads, token-major: [t0: h0..h(g-1)][t1: ...]
+            keys = keys.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
+            values = values.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
         self._ensure_rows(b)
         valid = self._take_valid(S)
-        need = [
-            max(n - (bud - 1), 0) if n + v > bud else 0
+        need = [  # slots (g per token) each row frees: it keeps budget - 1 old tokens per head
+            max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
             for n, v, bud in zip(self._rows_n, valid, self._rows_budget)
         ]
         freed = self._evict(need) if any(need) else None
-        if S == 1 and all(n < self._n for n in self._rows_n) and self._n <= max(self._rows_n) + 1:
+        if S == 1 and all(self._n - n >= g for n in self._rows_n) and self._n <= max(self._rows_n) + g:
             self._write_into_holes(keys, values, freed, valid)
         else:
             if freed is not None:
                 self._mark_freed(*freed)
             if self._holes():
                 self._compact()
-            self._append(keys, values, valid)
+            self._append(keys, values, valid, S)
         self._rows_off = [o + S for o in self._rows_off]
         if self._pad is not None or any(v < S for v in valid):
             # a right-padded prompt: offsets count the padding until finalize(); components see
@@ -199,22 +235,23 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         seen = self._seen()
         off, offs, bud = self._offset(), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
-        protected = sel_c.protected(self._pos, off, bud)
+        pos, owner = self._positions(), self._owner()
+        protected = sel_c.protected(pos, off, bud)
         if self._holes():
             protected = protected | (self._pos < 0)
         slots = sel_c.select(
             Selection(
-                scores=self._score, positions=self._pos, protected=protected, n_evict=max(need),
+                scores=self._score, positions=pos, protected=protected, n_evict=max(need),
                 budget=bud, offset=off, offsets=offs, layer=self.info,
                 row_counts=None if uniform else self._arr(need), state=self._states["selector"],
-                group=self.group,
+                group=self.group, owner=owner, heads_per_row=self._g,
             )
         ).astype(mx.int32)
         real = None if uniform else mx.arange(slots.shape[-1]).reshape(1, 1, -1) < self._arr(counts)
         ev = Eviction(
-            keys=k, values=v, scores=self._score, positions=self._pos, evict=slots, protected=protected,
+            keys=k, values=v, scores=self._score, positions=pos, evict=slots, protected=protected,
             offset=off, offsets=offs, layer=self.info, counts=tuple(counts), draw_id=self._rounds, real=real,
-            state=self._states["disposition"], group=self.group,
+            state=self._states["disposition"], group=self.group, owner=owner, heads_per_row=self._g,
         )
         k, v, self._score = self.method.disposition.dispose(ev)
         self._states["disposition"] = ev.state
@@ -232,24 +269,38 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._pos = mx.put_along_axis(self._pos, slots, gone, axis=-1)
 
     def _write_into_holes(self, keys, values, freed, valid) -> None:
-        b, h = keys.shape[:2]
-        if freed is not None and freed[1] is None and freed[0].shape[-1] == 1:
-            slot = freed[0]  # the slot each (row, head) just freed: the token goes there
+        """One token (``g`` slots per row) into empty slots: the ones just freed, if exactly."""
+        b, h, g = keys.shape[0], keys.shape[1], self._g
+        if freed is not None and freed[1] is None and freed[0].shape[-1] == g:
+            slot = freed[0]  # the slots each row just freed: the token goes there
         else:
             if freed is not None:
                 self._mark_freed(*freed)
-            slot = mx.argmax(self._pos < 0, axis=-1, keepdims=True).astype(mx.int32)
+            if g == 1:
+                slot = mx.argmax(self._pos < 0, axis=-1, keepdims=True).astype(mx.int32)
+            else:
+                ar = mx.arange(self._n, dtype=mx.int32)
+                slot = mx.argsort(mx.where(self._pos < 0, ar, ar + self._n), axis=-1)[..., :g].astype(mx.int32)
         idx = slot[..., None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, (b, h, 1, keys.shape[-1])), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, (b, h, 1, values.shape[-1])), values, axis=2)
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, (b, h, g, keys.shape[-1])), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, (b, h, g, values.shape[-1])), values, axis=2)
         pos = self._new_positions(valid, 1, b, h)
         self._pos = mx.put_along_axis(self._pos, slot, pos, axis=-1)
-        self._score = mx.put_along_axis(self._score, slot, mx.zeros((b, h, 1), mx.float32), axis=-1)
-        self._rows_n = [n + x for n, x in zip(self._rows_n, valid)]
+        self._score = mx.put_along_axis(self._score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
+        self._rows_n = [n + g * x for n, x in zip(self._rows_n, valid)]
         self._last_slots = slot
 
     def _new_positions(self, valid: list, S: int, b: int, h: int) -> mx.array:
-        """Positions of a step's tokens before the offsets advance (-1 for padding)."""
+        """Positions of a step's tokens before the offsets advance (-1 for padding), ``g`` slots
+        per token with head groups (the owner in the high bits)."""
+        if self._g > 1:
+            pos = self._token_positions(valid, S, b, 1)  # [B, 1, S]
+            owner = mx.arange(self._g, dtype=mx.int32).reshape(1, 1, 1, self._g) << _OWNER_SHIFT
+            packed = mx.where(pos[..., None] >= 0, pos[..., None] | owner, -1)  # [B, 1, S, g]
+            return mx.broadcast_to(packed.reshape(pos.shape[0], 1, S * self._g), (b, h, S * self._g))
+        return self._token_positions(valid, S, b, h)
+
+    def _token_positions(self, valid: list, S: int, b: int, h: int) -> mx.array:
         if S == 1 and all(x == 1 for x in valid) and min(self._rows_off) >= 0:
             if len(set(self._rows_off)) == 1:
                 return mx.full((b, h, 1), self._rows_off[0], mx.int32)
@@ -273,14 +324,14 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._score = mx.take_along_axis(self._score, order, axis=-1)
         self._n = w
 
-    def _append(self, keys, values, valid) -> None:
-        b, h, S, dk = keys.shape
+    def _append(self, keys, values, valid, tokens: int) -> None:
+        b, h, S, dk = keys.shape  # S = tokens * g slots
         dv = values.shape[3]
         prev = self._n
         if self.keys is None or prev + S > self.keys.shape[2]:
             need = prev + S
             cap = (need + self.step - 1) // self.step * self.step
-            top = max(self._rows_budget)
+            top = self._g * max(self._rows_budget)
             cap = min(cap, top) if need <= top else need
             new_k = mx.zeros((b, h, cap - prev, dk), keys.dtype)
             new_v = mx.zeros((b, h, cap - prev, dv), values.dtype)
@@ -293,10 +344,10 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
                 self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
         self.keys[..., prev : prev + S, :] = keys
         self.values[..., prev : prev + S, :] = values
-        self._pos = mx.concatenate([self._pos, self._new_positions(valid, S, b, h)], axis=2)
+        self._pos = mx.concatenate([self._pos, self._new_positions(valid, tokens, b, h)], axis=2)
         self._score = mx.concatenate([self._score, mx.zeros((b, h, S), mx.float32)], axis=2)
         self._n = prev + S
-        self._rows_n = [n + x for n, x in zip(self._rows_n, valid)]
+        self._rows_n = [n + self._g * x for n, x in zip(self._rows_n, valid)]
         self._last_slots = None
 
     # ----------------------------------------------------------------------------------------
@@ -315,7 +366,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         if self._rows_n and keys.shape[0] != len(self._rows_n):
             raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows_n)}")
         if self.keys is not None:
-            if keys.shape[1] != self.keys.shape[1] or keys.shape[3] != self.keys.shape[3] or (
+            if keys.shape[1] != self.keys.shape[1] * max(self._g, 1) or keys.shape[3] != self.keys.shape[3] or (
                 values.shape[3] != self.values.shape[3]
             ):
                 raise ValueError(

@@ -31,6 +31,8 @@ class _AttendMixin:
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """The layer's attention; ``mask`` (the model's) is replaced by the exact slot mask."""
         n = queries.shape[2]
+        if self._g > 1:
+            return self._attend_groups(sdpa, queries, keys, values, scale, mask, sinks)
         own = self.step_mask(n)
         h_q, h = queries.shape[1], keys.shape[1]
         if isinstance(own, mx.array) and own.shape[1] == h and h_q != h:
@@ -53,6 +55,40 @@ class _AttendMixin:
             )
             return out
         return sdpa(queries, keys, values, cache=None, scale=scale, mask=own, sinks=sinks)
+
+    def _attend_groups(self, sdpa, queries, keys, values, scale, mask, sinks):
+        """Head groups: each query head attends its own KV head's slots of the row."""
+        n, g = queries.shape[2], self._g
+        bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
+        self._attn_keys, self._bias = keys, bias
+        if not any(self._rows_evicted) and not self._holes() and not (
+            n > 1 and self._wants_mass and self._over_budget()
+        ):
+            # nothing evicted yet: every head holds the same tokens in slot order, so un-interleave
+            # the row and attend exactly as mlx-lm's KVCache does
+            b, r, t, _ = keys.shape
+
+            def split(a):
+                return a.reshape(b, r, t // g, g, -1).transpose(0, 1, 3, 2, 4).reshape(b, r * g, t // g, -1)
+
+            own = None if n == 1 else "causal"
+            if bias is not None:
+                own = bias
+            return sdpa(queries, split(keys), split(values), cache=None, scale=scale, mask=own, sinks=sinks)
+        pos, owner = self._positions(), self._owner()
+        if n == 1 and bias is None:  # decode: one small mask, mlx's fused attention
+            b, h = keys.shape[:2]
+            gq = queries.shape[1] // h
+            visible = ops.owner_mask(owner, gq, g) & (pos >= 0)[:, :, None, :]
+            return sdpa(queries, keys, values, cache=None, scale=scale,
+                        mask=visible.reshape(b, h * gq, 1, -1), sinks=sinks)
+        _, valid, _ = self._pending
+        out, mass = ops.attention(
+            queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
+            mass="group" if self._wants_mass else None, bias=bias, sinks=sinks, owner=owner, heads_per_row=g,
+        )
+        self._step_mass = mass
+        return out
 
     def _over_budget(self) -> bool:
         return any(o > b for o, b in zip(self._rows_off, self._rows_budget))
@@ -96,7 +132,7 @@ class _AttendMixin:
         self._proxy_steps += 1
 
     def _proxy_blocked(self) -> bool:
-        return self._holes()
+        return self._holes() or self._g > 1
 
     def _score_step(self, queries, scale, proxy) -> None:
         S, valid, qpos = self._pending
@@ -110,11 +146,12 @@ class _AttendMixin:
         mass, self._step_mass = self._step_mass, None
         before = (self._score, self._states["scorer"])
         obs = Observation(
-            queries=queries, keys=k, positions=self._pos, query_positions=qpos, n_new=S, scale=scale,
+            queries=queries, keys=k, positions=self._positions(), query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
-            all_visible=S == 1 and not self._holes(), bias=bias,
+            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias,
             state=_state.snapshot(self._states["scorer"]), group=self.group,
+            owner=self._owner(), heads_per_row=self._g,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)
@@ -141,7 +178,7 @@ class _AttendMixin:
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
         view = self._hooks["disposition"].get("view_keys")
-        return k if view is None else view(self._states["disposition"], k, self._pos, self._offset())
+        return k if view is None else view(self._states["disposition"], k, self._positions(), self._offset())
 
     def wants_layer_io(self) -> bool:
         """Whether the next forward is this prompt's first and the budget wants to see it."""

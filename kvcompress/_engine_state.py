@@ -51,10 +51,10 @@ class _StateMixin:
             self._pos = mx.put_along_axis(self._pos, self._last_slots, mx.full(self._last_slots.shape, -1, mx.int32), axis=-1)
             self._score = scores
         else:
-            self._n -= n
+            self._n -= n * self._g
             self._pos = self._pos[..., : self._n]
             self._score = scores[..., : self._n]
-        self._rows_n = [x - n for x in self._rows_n]
+        self._rows_n = [x - n * self._g for x in self._rows_n]
         self._rows_off = [o - n for o in self._rows_off]
         self._states["scorer"] = sstate
         self._undo = None
@@ -82,6 +82,7 @@ class _StateMixin:
             "budget": self._b_default,
             "group": self.group.id,
             "n": self._n,
+            "g": self._g,
             "rows_n": self._rows_n,
             "rows_off": self._rows_off,
             "rows_budget": self._rows_budget,
@@ -124,6 +125,7 @@ class _StateMixin:
             self.keys = self.values = self._pos = self._score = None
         self._b_default = int(m["budget"])
         self._n = int(m["n"])
+        self._g = int(m.get("g", 0))
         self._rows_n, self._rows_off = list(m["rows_n"]), list(m["rows_off"])
         self._rows_budget, self._rows_evicted = list(m["rows_budget"]), list(m["rows_evicted"])
         self._rounds = int(m["rounds"])
@@ -140,10 +142,43 @@ class _StateMixin:
         pass  # everything lives in ``state``
 
     def size(self) -> int:
-        return self._n
+        """Tokens held per KV head (the widest row; with head groups, slots / heads per row)."""
+        return -(-self._n // self._g) if self._g > 1 else self._n
 
     def empty(self) -> bool:
         return self.keys is None
+
+    def head_view(self) -> tuple:
+        """``(keys, values, positions, scores)`` per KV head: ``[B, H, W, D]`` / ``[B, H, W]``.
+
+        Without head groups this is the storage itself (slots in storage order). With head groups
+        each head's slots are gathered out of its row, in slot order, ``W`` the most any head holds;
+        a head holding fewer is padded with position -1 (a host sync: for inspection, not decode).
+        """
+        k, v = self.keys_and_values()
+        if self._g <= 1:
+            return k, v, self._pos, self._score
+        g, t = self._g, self._pos.shape[-1]
+        owner = self._owner()
+        own = mx.where(owner >= 0, owner, g)
+        order = mx.argsort(own * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
+        counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
+        start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]
+        w = max(int(counts.max().item()), 1)
+        idx = start[..., None] + mx.arange(w, dtype=mx.int32)  # [B, R, g, W]
+        ok = mx.arange(w, dtype=mx.int32) < counts[..., None]
+        b, r = owner.shape[:2]
+        slot = mx.take_along_axis(order, mx.minimum(idx, t - 1).reshape(b, r, g * w), axis=-1)
+
+        def take(a, fill):
+            got = mx.take_along_axis(a, slot, axis=-1).reshape(b, r, g, w)
+            return mx.where(ok, got, fill).reshape(b, r * g, w)
+
+        def take_rows(a):
+            got = mx.take_along_axis(a, slot[..., None], axis=2).reshape(b, r, g, w, -1)
+            return mx.where(ok[..., None], got, 0).reshape(b, r * g, w, -1).astype(a.dtype)
+
+        return take_rows(k), take_rows(v), take(self._positions(), -1), take(self._score, 0.0)
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +216,8 @@ class _StateMixin:
         """What the cache did: budget, tokens seen and kept, evictions (per row, per KV head),
         the compression in tokens and in bytes, where scores came from, plus each component's
         own figures (e.g. merges)."""
-        kept = self._rows_n or [0]
+        g = max(self._g, 1)
+        kept = [n / g if g > 1 else n for n in self._rows_n or [0]]
         seen = self._rows_off or [0]
         held = self.nbytes
         out = {
@@ -192,7 +228,7 @@ class _StateMixin:
             "tokens_kept": self._rowwise(kept),
             "compression_tokens": self._rowwise([o / n if n else 1.0 for o, n in zip(seen, kept)]),
             "compression_bytes": self.full_cache_nbytes() / held if held and self.keys is not None else 1.0,
-            "evictions": self._rowwise(self._rows_evicted or [0]),
+            "evictions": self._rowwise([e / g if g > 1 else e for e in self._rows_evicted or [0]]),
             "score_source": self.score_source,
             "nbytes": held,
         }
@@ -204,13 +240,15 @@ class _StateMixin:
 
     @property
     def tokens_kept(self):
-        """Tokens currently held (per row; every KV head holds the same count)."""
-        return self._rowwise(self._rows_n or [0])
+        """Tokens currently held per row and KV head (the mean over a head group's heads)."""
+        g = max(self._g, 1)
+        return self._rowwise([n / g if g > 1 else n for n in self._rows_n or [0]])
 
     @property
     def evictions(self):
         """Tokens evicted so far (per row, per KV head)."""
-        return self._rowwise(self._rows_evicted or [0])
+        g = max(self._g, 1)
+        return self._rowwise([e / g if g > 1 else e for e in self._rows_evicted or [0]])
 
     def __deepcopy__(self, memo):
         """A copy that continues exactly like the original; copies of a prompt's caches made in

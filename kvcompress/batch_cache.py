@@ -135,7 +135,7 @@ class BatchCompressedKVCache(_Engine):
         c._rows_n, c._rows_off = [self._rows_n[idx]], [self._rows_off[idx]]
         c._rows_budget, c._rows_evicted = [self._rows_budget[idx]], [self._rows_evicted[idx]]
         c._rounds, c._query_steps, c._proxy_steps = self._rounds, self._query_steps, self._proxy_steps
-        c._io_seen = self._io_seen
+        c._io_seen, c._g = self._io_seen, self._g
         for kind in _KINDS:
             c._states[kind] = _state.take_rows(self.method.component(kind), self._hooks[kind], self._states[kind], [idx])
         if self.keys is not None:
@@ -195,6 +195,7 @@ class BatchCompressedKVCache(_Engine):
         out._query_steps = sum(c._query_steps for c in caches)
         out._proxy_steps = sum(c._proxy_steps for c in caches)
         out._io_seen = all(c._io_seen for c in caches)
+        out._g = max(c._g for c in caches)
         return out
 
     @classmethod

@@ -207,6 +207,11 @@ class SelectorHooks:
     def evict_count(self, n_evict: int) -> int:
         """Slots :meth:`Selector.select` frees when ``n_evict`` are needed (whole chunks)."""
 
+    def head_group(self, layer: LayerInfo, n_kv_heads: int) -> int:
+        """KV heads sharing one row of slots (head-wise budgets, AdaKV): the row holds
+        ``g * budget`` slots and the selector decides how many each head keeps. Requires the
+        ``head_groups`` capability (dispositions that respect slot owners provide it)."""
+
 
 class DispositionHooks:
     def attend(self, state, queries, keys, values, scale, mask, sinks, sdpa) -> mx.array:
@@ -235,7 +240,7 @@ _COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
 #: Optional hook names per kind (see the *Hooks classes above for their signatures).
 OPTIONAL_HOOKS = {
     "scorer": _COMMON,
-    "selector": _COMMON + ("evict_count",),
+    "selector": _COMMON + ("evict_count", "head_group"),
     "disposition": _COMMON + ("attend", "view_keys"),
     "budget": _COMMON + ("observe_layer", "rebudget"),
 }

@@ -88,6 +88,10 @@ class Observation:
     all_visible: bool = False
     #: the model's own additive attention scores ``[B, H_q, N, T]`` (MLA's RoPE part), or None
     bias: Optional[mx.array] = None
+    #: head groups (see :func:`kvcompress.ops.owner_mask`): the head of each slot within its row
+    #: ``[B, H, T]`` (``H`` rows of ``heads_per_row`` KV heads), or None
+    owner: Optional[mx.array] = None
+    heads_per_row: int = 1
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
@@ -107,6 +111,7 @@ class Observation:
             self._cache[key] = attention_mass(
                 self.queries, self.keys, self.scale, None if self.all_visible else self.positions,
                 self.query_positions, query_weight=self.query_weight, last=last, bias=self.bias,
+                owner=self.owner, heads_per_row=self.heads_per_row,
             )
         return self._cache[key]
 
@@ -134,6 +139,9 @@ class Selection:
     row_counts: Optional[mx.array] = None
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
+    #: head groups: the head of each slot within its row (a selector may balance heads), or None
+    owner: Optional[mx.array] = None
+    heads_per_row: int = 1
 
 
 @attrs.define(slots=True, kw_only=True)
@@ -162,3 +170,6 @@ class Eviction:
     real: Optional[mx.array] = None
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
+    #: head groups: the head of each slot within its row (merge only within a head), or None
+    owner: Optional[mx.array] = None
+    heads_per_row: int = 1

@@ -159,3 +159,12 @@ def _check_requirements(comps: dict, names: dict) -> None:
                 f"{kind} {names[kind]!r} requires {sorted(need)}, which no component of this "
                 f"composition ({offer}) provides"
             )
+    if "head_wise_budgets" in getattr(comps["selector"], "provides", ()):
+        # heads share a row of slots: every component that reads or rewrites slots must tell
+        # the heads apart (declared by providing "head_groups")
+        for kind in ("scorer", "disposition"):
+            if "head_groups" not in getattr(comps[kind], "provides", ()):
+                raise CompositionError(
+                    f"selector {names['selector']!r} lets heads share slots, which {kind} "
+                    f"{names[kind]!r} does not support (it does not provide 'head_groups')"
+                )

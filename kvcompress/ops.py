@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
-__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "visibility", "lowest_k"]
+__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k"]
 
 #: The logit given to invisible keys: finite, so a query that sees nothing gets no NaN.
 NEG = -3.0e38
@@ -79,6 +79,8 @@ def attention(
     last: Optional[int] = None,
     extra: Sequence[ExtraKeys] = (),
     sinks: Optional[mx.array] = None,
+    owner: Optional[mx.array] = None,
+    heads_per_row: int = 1,
     block: int = QUERY_BLOCK,
 ):
     """Masked float32 attention of ``queries`` over the stored slots (plus ``extra``).
@@ -93,8 +95,11 @@ def attention(
     ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
     (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
-    ``values=None`` computes the mass only. Returns ``(out [B, H_q, N', D_v] in the queries'
-    dtype or None, mass or None)``.
+    ``values=None`` computes the mass only. With head groups (:func:`owner_mask`), each row of
+    ``keys`` holds the slots of ``heads_per_row`` KV heads and ``owner`` ``[B, H_kv, T]`` says
+    whose each slot is: a query head sees only its own KV head's slots, and the ``"group"`` mass
+    of a slot is the mean over that KV head's query heads. Returns ``(out [B, H_q, N', D_v] in
+    the queries' dtype or None, mass or None)``.
     """
     b, _, n, d = queries.shape
     h_kv, t = keys.shape[1], keys.shape[2]
@@ -126,6 +131,9 @@ def attention(
         if bias is not None:
             add = _block_mask(bias, i0, i1, n, t, h_kv, g).astype(mx.float32)
             logits = logits + (add if tb == t else add[..., :tb])
+        if owner is not None:
+            mine = owner_mask(owner, g, heads_per_row)[:, :, :, None, :]  # [B, H_kv, G, 1, T]
+            vis = mine if vis is None else (vis & mine if vis.dtype == mx.bool_ else mx.where(mine, vis, NEG))
         if vis is not None:
             vis = vis if tb == t else vis[..., :tb]
             logits = mx.where(vis, logits, NEG) if vis.dtype == mx.bool_ else logits + vis.astype(mx.float32)
@@ -157,6 +165,8 @@ def attention(
             total = mx.zeros((b, h_kv, g, t), mx.float32)
         if mass == "group":
             total = total.mean(axis=2) if g > 1 else total[:, :, 0]
+            if owner is not None and heads_per_row > 1:  # each slot was seen by its own heads only
+                total = total * heads_per_row
         elif mass != "heads":
             raise ValueError(f"mass must be None, 'group' or 'heads', got {mass!r}")
     return out, total
@@ -183,12 +193,22 @@ def _block_mask(mask, i0: int, i1: int, n: int, t: int, h_kv: int, g: int):
 
 
 def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None,
-                   bias=None):
+                   bias=None, owner=None, heads_per_row=1):
     """``[B, H_kv, T]`` float32: :func:`attention`'s mass (mean over each GQA group) alone."""
     return attention(
         queries, keys, None, scale, key_positions, query_positions,
-        query_weight=query_weight, mass="group", last=last, bias=bias,
+        query_weight=query_weight, mass="group", last=last, bias=bias, owner=owner,
+        heads_per_row=heads_per_row,
     )[1]
+
+
+def owner_mask(owner: mx.array, group: int, heads_per_row: int) -> mx.array:
+    """``[B, R, group, T]`` bool: query head ``k`` of a row (``group`` query heads per row, the
+    row holding ``heads_per_row`` KV heads) sees slot ``t`` iff ``owner[t] == k // (group /
+    heads_per_row)`` -- the KV head its GQA group belongs to."""
+    per_head = group // heads_per_row
+    mine = mx.arange(group, dtype=owner.dtype) // per_head
+    return owner[:, :, None, :] == mine.reshape(1, 1, group, 1)
 
 
 def _sortable(x: mx.array) -> mx.array:

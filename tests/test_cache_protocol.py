@@ -110,7 +110,8 @@ def stored_arrays(c) -> tuple:
 
 
 def positions(c) -> np.ndarray:
-    return np.array(c._pos)
+    """Held positions per (row, KV head) (-1: empty); head-wise budgets gather each head's slots."""
+    return np.array(c.head_view()[2])
 
 
 def snapshot(c) -> tuple:
@@ -151,14 +152,16 @@ def test_state_valid_after_every_generate_step_chunk(method, step):
             if done == 0:
                 assert c.empty() and meta["rows_off"] == meta["rows_n"] == [] and c.offset == 0
                 continue
-            assert meta["rows_off"] == [c.offset] and meta["rows_n"] == [c.tokens_kept]
+            g = max(meta["g"], 1)  # KV heads per storage row (head-wise budgets store g per row)
+            assert meta["rows_off"] == [c.offset] and meta["rows_n"] == [c.tokens_kept * g]
             if done < total:
                 assert c.offset == done
             k, v, pos, score = stored_arrays(c)
-            assert k.shape[2] == v.shape[2] == pos.shape[-1] == score.shape[-1] == c.size()
+            assert k.shape[2] == v.shape[2] == pos.shape[-1] == score.shape[-1] == c.size() * g
             assert pos.dtype == mx.int32 and score.dtype == mx.float32
+            pos = c._positions()  # without the head-group owner bits
             assert (np.array(pos) < c.offset).all()
-            assert ((np.array(pos) >= 0).sum(-1) == c.tokens_kept).all()  # held slots, per head
+            assert ((np.array(pos) >= 0).sum(-1) == c.tokens_kept * g).all()  # held slots, per row
             assert np.isfinite(np.array(score)).all()
             r = CompressedKVCache.from_state(st)
             assert (r.offset, r.size(), r.evictions, r.budget) == (c.offset, c.size(), c.evictions, c.budget)
@@ -317,7 +320,8 @@ def test_trim_within_the_last_step_behaves_like_kvcache(method):
     assert all(c.can_trim(n) for c in cache for n in (0, 1, 5, 10))
     assert mlx_cache.trim_prompt_cache(cache, 5) == mlx_cache.trim_prompt_cache(ref, 5) == 5
     for c in cache:
-        assert c.offset == c.size() == c.tokens_kept == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15
+        g = max(c._g, 1)
+        assert c.offset == c.size() == c.tokens_kept == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15 * g
         assert (positions(c) == np.arange(15)).all()
     # speculative-decoding style: re-feed different tokens at the trimmed positions
     a = feed(model, cache, tokens[:, 20:30], step=4)
@@ -373,14 +377,16 @@ def _canonical(c):
     meta = json.loads(text)
     for k in ("group", "n"):
         meta.pop(k)
-    pos = positions(c)
-    order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max), axis=-1)[..., : c.tokens_kept]
-    k, v = (np.array(x.astype(mx.float32)) for x in c.keys_and_values())
+    k, v, pos, score = (np.array(x.astype(mx.float32)) for x in c.head_view())
+    pos = pos.astype(np.int32)
+    order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max), axis=-1)
+    if c._g <= 1:
+        order = order[..., : c.tokens_kept]
     held = (
         np.take_along_axis(pos, order, -1),
         np.take_along_axis(k, order[..., None], 2),
         np.take_along_axis(v, order[..., None], 2),
-        np.take_along_axis(np.array(c._score), order, -1),
+        np.take_along_axis(score, order, -1),
     )
     return held, [np.array(a) for a in component_state_arrays(c)], meta
 
@@ -448,9 +454,10 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
     assert a.trim(1) == 1 and a.offset == b.offset
     gone = a.evictions - b.evictions
     assert gone >= 1 and a.tokens_kept == a.budget - gone
-    assert ((positions(a) == -1).sum(-1) == a.size() - a.tokens_kept).all()
+    g, slots = max(a._g, 1), np.array(a._pos)  # storage rows: g slots per token with head groups
+    assert ((slots == -1).sum(-1) == g * (a.size() - a.tokens_kept)).all()
     if "evict_count" not in a._hooks["selector"]:  # one slot freed and reused, then trimmed
-        assert ((positions(a) == -1).sum(-1) == 1).all() and a.size() == a.budget
+        assert ((slots == -1).sum(-1) == g).all() and a.size() == a.budget
     _drive_direct(a, np.random.default_rng(4), [1, 1, 2, 1])
     _drive_direct(b, np.random.default_rng(4), [1, 1, 2, 1])
     _assert_same_cache(a, b)
@@ -501,8 +508,10 @@ def test_decode_holds_budget_keeps_sinks_unique_positions(method):
             assert c.size() <= c.budget
             n_sink = min(getattr(c.method.selector, "n_sink", 0), c.offset)
             pos = positions(c)
-            assert pos.shape == (2, c.keys.shape[1], c.size())
-            srt = np.sort(pos, axis=-1)
+            g = max(c._g, 1)
+            assert pos.shape[:2] == (2, c.keys.shape[1] * g) and (g > 1 or pos.shape[-1] == c.size())
+            empty = np.iinfo(np.int32).max // 2 + np.arange(pos.shape[-1])  # distinct, after every position
+            srt = np.sort(np.where(pos >= 0, pos, empty), axis=-1)
             assert (np.diff(srt, axis=-1) > 0).all(), "a position is stored twice in one head"
             assert (srt[..., :n_sink] == np.arange(n_sink)).all(), "an attention sink was evicted"
             assert (pos == i).sum(-1).min() == 1, "the newest token is not stored in every head"

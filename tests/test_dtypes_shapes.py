@@ -55,9 +55,10 @@ def _assert_finite_through_eviction(method, dtype, gqa):
         assert logits.shape[0] == 2
         assert np.isfinite(np.array(logits.astype(mx.float32))).all()
     for c in cache:
-        k, v = c.keys_and_values()
+        k, v = c.head_view()[:2]  # per KV head (head-wise budgets: each head's slots gathered)
         assert k.dtype == v.dtype == DTYPES[dtype]
-        assert k.shape[:2] == (2, kv_heads) and k.shape[2] == c.size() <= c.budget
+        assert k.shape[:2] == (2, kv_heads) and c.size() <= c.budget
+        assert k.shape[2] == c.size() if c._g <= 1 else k.shape[2] <= c._g * c.budget
         assert k.shape[3] == 64 // HEADS
         assert c._score.dtype == mx.float32 and np.isfinite(np.array(c._score)).all()
         assert np.isfinite(np.array(v.astype(mx.float32))).all()

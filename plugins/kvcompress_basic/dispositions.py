@@ -14,7 +14,7 @@ class Drop:
     """Evicted keys and values are discarded; survivors are untouched."""
 
     requires: ClassVar[frozenset] = frozenset()
-    provides: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset({"head_groups"})
 
     def dispose(self, ev):
         return ev.keys, ev.values, ev.scores

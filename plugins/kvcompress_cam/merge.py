@@ -130,7 +130,7 @@ class GatedMerge:
     seed: int = attrs.field(default=0, validator=instance_of(int))
 
     requires: ClassVar[frozenset] = frozenset({"attention_mass"})
-    provides: ClassVar[frozenset] = frozenset()
+    provides: ClassVar[frozenset] = frozenset({"head_groups"})
 
     def init_state(self, layer) -> MergeState:
         return MergeState()
@@ -156,30 +156,41 @@ class GatedMerge:
     def _draw_inputs(self, ev):
         b, h = ev.evict.shape[:2]
         base = mx.array(_seed_base(self.seed, ev.layer.layer), mx.uint32)
-        return base, ev.layer.head_ids(h), ev.offset
+        if ev.owner is None:
+            return base, ev.layer.head_ids(h), ev.offset
+        # head groups: the loser's own KV head (row * heads per row + its owner), globally
+        row = mx.arange(h, dtype=mx.int32).reshape(1, h, 1) * ev.heads_per_row
+        heads = ev.layer.head_offset + row + mx.take_along_axis(ev.owner, ev.evict, axis=-1)
+        return base, heads.astype(mx.uint32), ev.offset
 
     # -- the design note's rule: one most-similar survivor ---------------------------------
 
-    def nearest_target(self, keys, positions, evict, real=None):
+    def nearest_target(self, keys, positions, evict, real=None, owner=None):
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
-        return _nearest_target(keys, positions, evict, self.n_sink, real)
+        return _nearest_target(keys, positions, evict, self.n_sink, real, owner)
 
     def _merge_nearest(self, ev):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
-        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single)
+        grouped = ev.owner is not None
+        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single,
+                               grouped)
         real = ev.real if ev.real is not None else mx.array(True)
         base, heads, off = self._draw_inputs(ev)
-        return fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, off, base, heads)
+        owner = ev.owner if grouped else ev.positions  # (unused without head groups)
+        return fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, off, base, heads, owner)
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
-    def window_targets(self, positions, evict, real=None):
+    def window_targets(self, positions, evict, real=None, owner=None):
         """``(targets [B,H,E,m'] int32, valid [B,H,E,m'] bool)``: the next m kept tokens by position
-        (slots that really leave -- ``real`` -- are never targets; entries a row does not free are)."""
+        (slots that really leave -- ``real`` -- are never targets; entries a row does not free are;
+        with head groups only the loser's own head's slots)."""
         t = positions.shape[-1]
         pos_l = mx.take_along_axis(positions, evict, axis=-1)  # [B,H,E]
         d = positions[:, :, None, :] - pos_l[..., None]  # [B,H,E,T]
         ok = (d > 0) & ~_evicted_mask(evict, t, real)[:, :, None, :] & (positions >= self.n_sink)[:, :, None, :]
+        if owner is not None:
+            ok = ok & (owner[:, :, None, :] == mx.take_along_axis(owner, evict, axis=-1)[..., None])
         big = mx.array(2**30, dtype=d.dtype)
         key = mx.where(ok, d, big)
         m = min(self.merge_window, t)
@@ -190,7 +201,7 @@ class GatedMerge:
 
     def _merge_window(self, ev):
         b, h, e = ev.evict.shape
-        targets, valid = self.window_targets(ev.positions, ev.evict, ev.real)
+        targets, valid = self.window_targets(ev.positions, ev.evict, ev.real, ev.owner)
         m = targets.shape[-1]
         count = valid.astype(mx.float32).sum(-1)  # [B,H,E]
         s_l = mx.take_along_axis(ev.scores, ev.evict, axis=-1)
@@ -228,7 +239,7 @@ _COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
 _FNS: dict = {}
 
 
-def _nearest_target(keys, positions, evict, n_sink: int, real=None):
+def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None):
     t = keys.shape[2]
     kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
     dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
@@ -240,7 +251,10 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None):
         invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
     else:
         invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
-    cos = mx.where(invalid[:, :, None, :], -mx.inf, cos)
+    invalid = invalid[:, :, None, :]
+    if owner is not None:  # head groups: only the loser's own head's slots
+        invalid = invalid | (owner[:, :, None, :] != mx.take_along_axis(owner, evict, axis=-1)[..., None])
+    cos = mx.where(invalid, -mx.inf, cos)
     target = mx.argmax(cos, axis=-1).astype(mx.int32)
     best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
     return target, best, best > -mx.inf
@@ -258,16 +272,16 @@ def _prominence_share(positions, evict, target, s_l, s_t, off):
 
 
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
-                      single: bool) -> Callable:
+                      single: bool, grouped: bool = False) -> Callable:
     """``f(keys, values, scores, positions, evict, real, offset, base, heads) -> (keys, values,
     scores, merges [B, H])`` for one configuration; compiled when ``single`` (decode)."""
-    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single)
+    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single) + ((True,) if grouped else ())
     fn = _FNS.get(cfg)
     if fn is not None:
         return fn
 
-    def merge_fn(keys, values, scores, positions, evict, real, off, base, heads):
-        target, cos, has = _nearest_target(keys, positions, evict, n_sink, real)
+    def merge_fn(keys, values, scores, positions, evict, real, off, base, heads, owner):
+        target, cos, has = _nearest_target(keys, positions, evict, n_sink, real, owner if grouped else None)
         s_l = mx.take_along_axis(scores, evict, axis=-1)
         s_t = mx.take_along_axis(scores, target, axis=-1)
         do = has & real

@@ -19,7 +19,7 @@ class H2OScorer:
     """
 
     requires: ClassVar[frozenset] = frozenset({"queries", "step_mass"})
-    provides: ClassVar[frozenset] = frozenset({"attention_mass"})
+    provides: ClassVar[frozenset] = frozenset({"attention_mass", "head_groups"})
 
     def observe(self, scores, obs):
         return scores + obs.attention_mass()

@@ -58,7 +58,8 @@ def _odd(_inst, attribute, value):
         raise ValueError(f"{attribute.name} must be odd (same-length pooling), got {value}")
 
 
-def window_mass(queries, keys, positions, query_positions, scale, query_weight=None) -> mx.array:
+def window_mass(queries, keys, positions, query_positions, scale, query_weight=None, owner=None,
+                heads_per_row=1) -> mx.array:
     """``A[b, h_kv, g, j]``: attention of the window queries summed per query head, float32.
 
     queries ``[B, H_q, m, D]`` at ``query_positions`` ``[B, 1, m]``; keys ``[B, H_kv, T, D]`` at
@@ -66,12 +67,16 @@ def window_mass(queries, keys, positions, query_positions, scale, query_weight=N
     (:func:`kvcompress.ops.visibility`). Returns ``[B, H_kv, G, T]`` with ``G = H_q // H_kv``.
     """
     return attention(
-        queries, keys, None, scale, positions, query_positions, query_weight=query_weight, mass="heads"
+        queries, keys, None, scale, positions, query_positions, query_weight=query_weight, mass="heads",
+        owner=owner, heads_per_row=heads_per_row,
     )[1]
 
 
-def pool1d(x: mx.array, kernel: int, pooling: str) -> mx.array:
-    """Same-length stride-1 pooling over the last axis (padding ``kernel // 2`` each side)."""
+def pool1d(x: mx.array, kernel: int, pooling: str, segment=None) -> mx.array:
+    """Same-length stride-1 pooling over the last axis (padding ``kernel // 2`` each side).
+
+    ``segment`` (broadcastable to ``x``): a neighbour in another segment counts as padding (the
+    heads of a head group, sorted one after the other)."""
     if pooling == "none" or kernel == 1:
         return x
     r = kernel // 2
@@ -80,25 +85,34 @@ def pool1d(x: mx.array, kernel: int, pooling: str) -> mx.array:
     pad = mx.full(x.shape[:-1] + (r,), fill, dtype=x.dtype)
     xp = mx.concatenate([pad, x, pad], axis=-1)
     shifted = [xp[..., i : i + t] for i in range(kernel)]
+    if segment is not None:
+        seg = mx.broadcast_to(segment, x.shape)
+        sp = mx.concatenate([mx.full(seg.shape[:-1] + (r,), -2, seg.dtype), seg,
+                             mx.full(seg.shape[:-1] + (r,), -2, seg.dtype)], axis=-1)
+        shifted = [mx.where(sp[..., i : i + t] == seg, v, fill) for i, v in enumerate(shifted)]
     if pooling == "avg":
         return reduce(mx.add, shifted) / kernel
     return reduce(mx.maximum, shifted)
 
 
-def pool_by_position(x: mx.array, positions: mx.array, window: mx.array, kernel: int, pooling: str) -> mx.array:
+def pool_by_position(x: mx.array, positions: mx.array, window: mx.array, kernel: int, pooling: str,
+                     owner=None) -> mx.array:
     """Pool ``x`` ``[B, H, G, T]`` along slots sorted by ``positions`` ``[B, H, T]``.
 
     ``window`` ``[B, H, T]`` bool marks observation-window slots (and empty ones): they pad the
-    prefix's pooling and keep their raw value.
+    prefix's pooling and keep their raw value. With head groups, ``owner`` ``[B, H, T]``: each
+    head's slots are pooled among themselves.
     """
     if pooling == "none" or kernel == 1:
         return x
-    order = mx.argsort(positions, axis=-1)
+    key = positions if owner is None else mx.where(positions >= 0, owner * (1 << 25) + positions, -1)
+    order = mx.argsort(key, axis=-1)
     inv = mx.argsort(order, axis=-1)
     xs = mx.take_along_axis(x, order[:, :, None, :], axis=-1)
     ws = mx.take_along_axis(window, order, axis=-1)[:, :, None, :]
     fill = 0.0 if pooling == "avg" else -mx.inf
-    pooled = pool1d(mx.where(ws, fill, xs), kernel, pooling)
+    seg = None if owner is None else mx.take_along_axis(owner, order, axis=-1)[:, :, None, :]
+    pooled = pool1d(mx.where(ws, fill, xs), kernel, pooling, seg)
     pooled = mx.where(ws, xs, pooled)
     return mx.take_along_axis(pooled, inv[:, :, None, :], axis=-1)
 
@@ -142,7 +156,7 @@ class SnapKVScorer:
     interval: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
 
     requires: ClassVar[frozenset] = frozenset({"queries", "positions"})
-    provides: ClassVar[frozenset] = frozenset({"attention_mass", "window_attention"})
+    provides: ClassVar[frozenset] = frozenset({"attention_mass", "window_attention", "head_groups"})
 
     def init_state(self, layer) -> Optional[WindowState]:
         return WindowState() if self.interval > 0 else None
@@ -173,10 +187,13 @@ class SnapKVScorer:
             obs.state = WindowState(queries=q, positions=qpos)
         if not any(events):
             return scores
-        mass = window_mass(q, obs.keys, obs.positions, qpos, obs.scale, (qpos >= 0).astype(mx.float32))
+        mass = window_mass(q, obs.keys, obs.positions, qpos, obs.scale, (qpos >= 0).astype(mx.float32),
+                           obs.owner, obs.heads_per_row)
         first = mx.where(qpos >= 0, qpos, 2**30).min(axis=-1, keepdims=True)  # [B, 1, 1]
         window = (obs.positions >= first) | (obs.positions < 0)
-        new = pool_by_position(mass, obs.positions, window, self.kernel, self.pooling).mean(axis=2)
+        new = pool_by_position(mass, obs.positions, window, self.kernel, self.pooling, obs.owner).mean(axis=2)
+        if obs.owner is not None and obs.heads_per_row > 1:  # each slot's own query heads only
+            new = new * obs.heads_per_row
         if all(events):
             return new
         return mx.where(mx.array(events).reshape(-1, 1, 1), new, scores)

@@ -21,7 +21,7 @@ class RecencyScorer:
     """
 
     requires: ClassVar[frozenset] = frozenset({"positions"})
-    provides: ClassVar[frozenset] = frozenset({"recency"})
+    provides: ClassVar[frozenset] = frozenset({"recency", "head_groups"})
 
     def observe(self, scores, obs):
         return obs.positions.astype(mx.float32)
