@@ -86,6 +86,9 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._attn_keys = self._bias = None
         self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
         self._g = 0  # KV heads per storage row (0: not known before the first step)
+        group_hook = self._hooks["selector"].get("head_group")
+        if group_hook is not None and self.info.n_kv_heads:
+            group_hook(self.info, self.info.n_kv_heads)  # a head group that cannot work is refused now
 
     def _check_budget(self, budget) -> int:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:

@@ -14,18 +14,21 @@ import mlx.core as mx
 
 
 def run(model, prompt, method: str, budget: int, n: int) -> dict:
+    """``method`` is a name, or ``name:k=v,...`` for non-default integer parameters."""
     import kvcompress
     from mlx_lm.generate import generate_step
 
-    cache = None
+    name, _, extra = method.partition(":")
+    params = {k: int(v) for k, v in (kv.split("=") for kv in extra.split(",") if kv)}
+    cache, last = None, None
     for b in range(budget, budget + 64):  # the smallest budget >= `budget` the method accepts
         try:
-            cache = kvcompress.make_prompt_cache(model, method, budget=b)
+            cache = kvcompress.make_prompt_cache(model, name, budget=b, **params)
             break
-        except kvcompress.ConfigError:
-            continue
+        except kvcompress.ConfigError as exc:
+            last = exc
     if cache is None:
-        raise kvcompress.ConfigError(f"{method}: no budget in [{budget}, {budget + 64}) accepted")
+        raise kvcompress.ConfigError(f"{method}: no budget in [{budget}, {budget + 64}) accepted (last: {last})")
     tokens = [t for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache, prefill_step_size=16)]
     layers = {}
     for c in cache:
@@ -38,7 +41,7 @@ def run(model, prompt, method: str, budget: int, n: int) -> dict:
 def sorted_positions(c) -> list:
     import numpy as np
 
-    pos = np.array(c._pos)[0]  # [H, T]
+    pos = np.array(c.head_view()[2])[0]  # [H, T] per KV head (head-wise budgets gather each head's slots)
     return [sorted(int(p) for p in row if p >= 0) for row in pos]
 
 
