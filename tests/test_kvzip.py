@@ -297,7 +297,7 @@ def test_trimmed_step_never_reaches_a_pass():
     for c in cache:
         c.trim(2)
     st = cache[0]._states["scorer"]
-    assert st.waiting == 1  # the prompt's ids were reconstructed before the call; 12, 13 are gone
+    assert st.waiting == (1,)  # the prompt's ids were reconstructed before the call; 12, 13 are gone
     assert np.array(st.ids).tolist() == [[11]] and np.array(st.pos).tolist() == [[20]]
 
 

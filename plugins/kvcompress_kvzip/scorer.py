@@ -68,14 +68,18 @@ def _nonneg_ids(_inst, attribute, value):
 @attrs.define
 class KVzipState:
     """Ids waiting for reconstruction, per row, left-aligned (``pos = -1``: none): ``ids`` and
-    ``pos`` ``[B, P]`` int32; ``prev`` ``[B, 8]`` the previous piece's last ids. ``waiting``
-    (host int): the most ids any row holds; ``flush``: a multi-token step left ids waiting."""
+    ``pos`` ``[B, P]`` int32; ``prev`` ``[B, 8]`` the previous piece's last ids. Host facts per
+    row: ``waiting`` (ids held) and ``flush`` (a multi-token step left them), so that a row's
+    passes never depend on the batch it is in."""
 
     ids: Optional[mx.array] = rows_field(fill=-1)
     pos: Optional[mx.array] = rows_field(fill=-1)
     prev: Optional[mx.array] = rows_field(fill=-1)
-    waiting: int = 0
-    flush: bool = False
+    waiting: tuple = attrs.field(default=(), converter=tuple)
+    flush: tuple = attrs.field(default=(), converter=tuple)
+
+    def rows(self) -> int:
+        return len(self.waiting) or (self.ids.shape[0] if self.ids is not None else 1)
 
 
 def _left_align(ids: mx.array, pos: mx.array):
@@ -127,40 +131,54 @@ class KVzipScorer:
     def init_state(self, layer) -> KVzipState:
         return KVzipState()
 
+    def take_rows(self, state, rows: list) -> KVzipState:
+        idx = mx.array(rows, dtype=mx.int32)
+        pick = (lambda x: None if x is None else x[idx])
+        w = state.waiting or (0,) * state.rows()
+        f = state.flush or (False,) * state.rows()
+        return KVzipState(ids=pick(state.ids), pos=pick(state.pos), prev=pick(state.prev),
+                          waiting=[w[i] for i in rows], flush=[f[i] for i in rows])
+
     def stack_rows(self, states: list) -> KVzipState:
         """Rows of several caches: ids padded to the widest (``-1``)."""
-        like = next((s for s in states if s is not None and s.ids is not None), None)
-        if like is None:
-            return next((s for s in states if s is not None), KVzipState())
-        width = max(s.ids.shape[1] for s in states if s is not None and s.ids is not None)
-        ids, pos, prev = [], [], []
+        states = [s if s is not None else KVzipState() for s in states]
+        width = max([s.ids.shape[1] for s in states if s.ids is not None] or [0])
+        ids, pos, prev, waiting, flush = [], [], [], [], []
         for s in states:
-            if s is None or s.ids is None:
-                empty = mx.full((1, width), -1, mx.int32)
-                ids.append(empty), pos.append(empty), prev.append(mx.full((1, PREV), -1, mx.int32))
-                continue
-            ids.append(_pad_cols(s.ids, width)), pos.append(_pad_cols(s.pos, width)), prev.append(s.prev)
-        return KVzipState(
-            ids=mx.concatenate(ids), pos=mx.concatenate(pos), prev=mx.concatenate(prev),
-            waiting=max(s.waiting for s in states if s is not None), flush=any(s.flush for s in states if s is not None),
-        )
+            r = s.rows()
+            empty = mx.full((r, max(width, 1)), -1, mx.int32)
+            ids.append(_pad_cols(s.ids, width) if s.ids is not None else empty[:, :width])
+            pos.append(_pad_cols(s.pos, width) if s.pos is not None else empty[:, :width])
+            prev.append(s.prev if s.prev is not None else mx.full((r, PREV), -1, mx.int32))
+            waiting += list(s.waiting or (0,) * r)
+            flush += list(s.flush or (False,) * r)
+        has = width > 0
+        return KVzipState(ids=mx.concatenate(ids) if has else None, pos=mx.concatenate(pos) if has else None,
+                          prev=mx.concatenate(prev), waiting=waiting, flush=flush)
+
+    def due(self, state) -> list:
+        """Per row: whether the row's next piece is reconstructed before the next call."""
+        return [w > 0 and (f or (self.interval > 0 and w >= self.interval))
+                for w, f in zip(state.waiting, state.flush or (False,) * len(state.waiting))]
 
     def diagnostics(self, state) -> dict:
-        return {"kvzip_waiting": 0 if state is None else state.waiting}
+        return {"kvzip_waiting": list(state.waiting) if state is not None and state.waiting else 0}
 
     def pass_tokens(self, state) -> Optional[mx.array]:
-        """The next piece's pass ids ``[B, len(prompt) + 8 + L]`` (``-1``: padding), or None."""
-        if state is None or state.ids is None or state.waiting <= 0:
+        """The next piece's pass ids ``[B, len(prompt) + 8 + L]`` (``-1``: padding; rows not
+        due are all padding), or None when no row is due."""
+        if state is None or state.ids is None:
             return None
-        if not state.flush and (self.interval == 0 or state.waiting < self.interval):
+        due = self.due(state)
+        if not any(due):
             return None
-        n = min(self.chunk, state.ids.shape[1])
-        piece = mx.where(state.pos[:, :n] >= 0, state.ids[:, :n], -1)
-        b = piece.shape[0]
-        parts = [state.prev, piece]
+        n = min(self.chunk, max(w for w, d in zip(state.waiting, due) if d))
+        b = len(due)
+        parts = [state.prev, mx.where(state.pos[:, :n] >= 0, state.ids[:, :n], -1)]
         if self.prompt:
             parts.insert(0, mx.broadcast_to(mx.array(self.prompt, dtype=mx.int32)[None], (b, len(self.prompt))))
-        return mx.concatenate(parts, axis=1)
+        ids = mx.concatenate(parts, axis=1)
+        return ids if all(due) else mx.where(mx.array(due).reshape(-1, 1), ids, -1)
 
     def observe(self, scores, obs):
         if obs.scoring_pass:
@@ -179,17 +197,20 @@ class KVzipScorer:
         if st.ids is not None:
             ids, pos = mx.concatenate([st.ids, ids], axis=1), mx.concatenate([st.pos, pos], axis=1)
         ids, pos = _left_align(ids, pos)
-        width = st.waiting + max(obs.n_valid or (n,))
-        ids, pos = ids[:, :width], pos[:, :width]
+        nv = obs.n_valid or (n,) * b
+        waiting = [w + v for w, v in zip(st.waiting or (0,) * b, nv)]
+        flush = [f or v > 1 for f, v in zip(st.flush or (False,) * b, nv)]
+        ids, pos = ids[:, : max(waiting)], pos[:, : max(waiting)]
         prev = st.prev if st.prev is not None else mx.full((b, PREV), -1, mx.int32)
-        multi = max(obs.n_valid or (n,)) > 1
-        obs.state = KVzipState(ids=ids, pos=pos, prev=prev, waiting=width, flush=st.flush or multi)
+        obs.state = KVzipState(ids=ids, pos=pos, prev=prev, waiting=waiting, flush=flush)
         return scores
 
     def _reconstruct(self, scores, obs):
         st = obs.state
-        n = min(self.chunk, st.ids.shape[1])
-        piece_pos = st.pos[:, :n]
+        due = self.due(st)
+        n = min(self.chunk, max(w for w, d in zip(st.waiting, due) if d))
+        dmask = mx.array(due).reshape(-1, 1)
+        piece_pos = mx.where(dmask, st.pos[:, :n], -1)
         big = 2**30
         lo = mx.where(piece_pos >= 0, piece_pos, big).min(axis=-1).reshape(-1, 1, 1)
         hi = piece_pos.max(axis=-1).reshape(-1, 1, 1)
@@ -202,13 +223,19 @@ class KVzipScorer:
         piece = mx.where(piece_pos >= 0, st.ids[:, :n], -1)
         ids_r, pos_r = _left_align(mx.concatenate([st.prev, piece], axis=1),
                                    mx.concatenate([mx.where(st.prev >= 0, 0, -1), piece_pos], axis=1))
-        # the last PREV real ids of prev + piece (right-aligned)
+        # the last PREV real ids of prev + piece (right-aligned); rows not due keep theirs
         cnt = (pos_r >= 0).sum(axis=1, keepdims=True)
         idx = cnt - PREV + mx.arange(PREV).reshape(1, PREV)
         prev = mx.where(idx >= 0, mx.take_along_axis(ids_r, mx.maximum(idx, 0), axis=1), -1)
-        rest = st.waiting - n
+        prev = mx.where(dmask, prev, st.prev)
+        # due rows drop their piece's n columns
+        cols = mx.arange(st.pos.shape[1]).reshape(1, -1)
+        ids, pos = _left_align(st.ids, mx.where(dmask & (cols < n), -1, st.pos))
+        waiting = [max(w - n, 0) if d else w for w, d in zip(st.waiting, due)]
+        flush = [f and w > 0 for f, w in zip(st.flush, waiting)]
+        width = max(waiting)
         obs.state = KVzipState(
-            ids=st.ids[:, n:] if rest > 0 else None, pos=st.pos[:, n:] if rest > 0 else None,
-            prev=prev, waiting=max(rest, 0), flush=st.flush and rest > 0,
+            ids=ids[:, :width] if width else None, pos=pos[:, :width] if width else None,
+            prev=prev, waiting=waiting, flush=flush,
         )
         return scores
