@@ -68,7 +68,7 @@ def _nonneg_ids(_inst, attribute, value):
 @attrs.define
 class KVzipState:
     """Ids waiting for reconstruction, per row, left-aligned (``pos = -1``: none): ``ids`` and
-    ``pos`` ``[B, P]`` int32; ``prev`` ``[B, 8]`` the previous piece's last ids. Host facts per
+    ``pos`` ``[B, P]`` int32 (``P`` whole chunks, grown when needed, never shrunk); ``prev`` ``[B, 8]`` the previous piece's last ids. Host facts per
     row: ``waiting`` (ids held) and ``flush`` (a multi-token step left them), so that a row's
     passes never depend on the batch it is in."""
 
@@ -134,10 +134,10 @@ class KVzipScorer:
     def take_rows(self, state, rows: list) -> KVzipState:
         idx = mx.array(rows, dtype=mx.int32)
         pick = (lambda x: None if x is None else x[idx])
-        w = state.waiting or (0,) * state.rows()
-        f = state.flush or (False,) * state.rows()
+        w, f = state.waiting, state.flush
         return KVzipState(ids=pick(state.ids), pos=pick(state.pos), prev=pick(state.prev),
-                          waiting=[w[i] for i in rows], flush=[f[i] for i in rows])
+                          waiting=[w[i] if i < len(w) else 0 for i in rows] if w else (),
+                          flush=[bool(f[i]) if i < len(f) else False for i in rows] if f else ())
 
     def stack_rows(self, states: list) -> KVzipState:
         """Rows of several caches: ids padded to the widest (``-1``)."""
@@ -153,6 +153,8 @@ class KVzipScorer:
             waiting += list(s.waiting or (0,) * r)
             flush += list(s.flush or (False,) * r)
         has = width > 0
+        if not any(s.waiting for s in states):  # no step has told these states their rows yet
+            return KVzipState(prev=None if all(s.prev is None for s in states) else mx.concatenate(prev))
         return KVzipState(ids=mx.concatenate(ids) if has else None, pos=mx.concatenate(pos) if has else None,
                           prev=mx.concatenate(prev), waiting=waiting, flush=flush)
 
@@ -200,7 +202,9 @@ class KVzipScorer:
         nv = obs.n_valid or (n,) * b
         waiting = [w + v for w, v in zip(st.waiting or (0,) * b, nv)]
         flush = [f or v > 1 for f, v in zip(st.flush or (False,) * b, nv)]
-        ids, pos = ids[:, : max(waiting)], pos[:, : max(waiting)]
+        # fixed width (whole chunks, never shrinking): decode keeps the state's bytes steady
+        cap = max(0 if st.ids is None else st.ids.shape[1], -(-max(waiting) // self.chunk) * self.chunk)
+        ids, pos = _pad_cols(ids[:, :cap], cap), _pad_cols(pos[:, :cap], cap)
         prev = st.prev if st.prev is not None else mx.full((b, PREV), -1, mx.int32)
         obs.state = KVzipState(ids=ids, pos=pos, prev=prev, waiting=waiting, flush=flush)
         return scores
@@ -233,9 +237,5 @@ class KVzipScorer:
         ids, pos = _left_align(st.ids, mx.where(dmask & (cols < n), -1, st.pos))
         waiting = [max(w - n, 0) if d else w for w, d in zip(st.waiting, due)]
         flush = [f and w > 0 for f, w in zip(st.flush, waiting)]
-        width = max(waiting)
-        obs.state = KVzipState(
-            ids=ids[:, :width] if width else None, pos=pos[:, :width] if width else None,
-            prev=prev, waiting=waiting, flush=flush,
-        )
+        obs.state = KVzipState(ids=ids, pos=pos, prev=prev, waiting=waiting, flush=flush)
         return scores
