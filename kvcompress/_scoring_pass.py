@@ -53,7 +53,10 @@ class PassView:
         self._qpos = mx.where((ids >= 0)[:, None, :] & (qpos >= 0), qpos, -1)  # [B, 1, M]
         self._weight = (self._qpos >= 0).astype(mx.float32)
         self._t = 0 if cache.keys is None else cache._n
-        self._pos = self._keys = None
+        self._pos = self._keys = self._bias = None
+        # what models read from a cache (pipeline models chain their last cache's keys to the
+        # output with mx.depends): the view's own reference, so the real cache is never written
+        self.keys = cache.keys
 
     @property
     def offset(self):
@@ -79,8 +82,10 @@ class PassView:
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """Attention under the slots' positions (the stored slots' exact mask, causal in the pass)."""
         self._keys = keys
+        # a model's additive mask is part of its attention scores (MLA's RoPE part): keep it
+        self._bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
         out, _ = ops.attention(
-            queries, keys, values, scale, self._pos, self._qpos, sinks=sinks,
+            queries, keys, values, scale, self._pos, self._qpos, sinks=sinks, bias=self._bias,
         )
         return out
 
@@ -94,9 +99,11 @@ class PassView:
             queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
             n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._seen()), layer=c.info,
             n_valid=(self._m,) * b, query_weight=self._weight, state=_state.snapshot(c._states["scorer"]),
-            tokens=self._ids, scoring_pass=True, group=c.group,
+            tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group,
         )
         new = c.method.scorer.observe(scores, obs)
+        if new.shape[1] != h:  # attention over per-head projections of shared KV (MLA): the group's mean
+            new = new.mean(axis=1, keepdims=True)
         if self._t:
             new = new[..., : self._t]
             c._score = new if new.dtype == mx.float32 else new.astype(mx.float32)

@@ -96,7 +96,8 @@ def _pad_cols(x: mx.array, width: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, width - x.shape[-1])], constant_values=-1)
 
 
-def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink, first_pass, query_weight=None):
+def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink, first_pass, query_weight=None,
+               bias=None):
     """``[B, H_kv, T]`` float32: Algorithm 1's score of every slot (meaningful for the piece's
     slots ``lo <= p <= hi``): the largest softmax weight any pass query of the KV head's group
     gives it, the softmax restricted to sinks (``p < n_sink``), the piece and the pass's own
@@ -105,7 +106,7 @@ def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink,
     keep = (p >= 0) & ((p < n_sink) | ((p >= lo) & (p <= hi)) | (p >= first_pass))
     return attention(
         queries, keys, None, scale, mx.where(keep, p, -1), query_positions,
-        query_weight=query_weight, mass="max",
+        query_weight=query_weight, mass="max", bias=bias,
     )[1]
 
 
@@ -220,7 +221,7 @@ class KVzipScorer:
         hi = piece_pos.max(axis=-1).reshape(-1, 1, 1)
         first_pass = mx.array(obs.offsets, dtype=mx.int32).reshape(-1, 1, 1)  # the pass starts there
         mass = pass_score(obs.queries, obs.keys, obs.positions, obs.query_positions, obs.scale,
-                          lo, hi, self.n_sink, first_pass, obs.query_weight)
+                          lo, hi, self.n_sink, first_pass, obs.query_weight, obs.bias)
         p = obs.positions
         in_piece = (p >= lo) & (p <= hi) & (p < first_pass)
         scores = mx.where(in_piece, mass, scores)
