@@ -23,6 +23,7 @@ get plain positions plus ``owner``. With ``g = 1`` (every other selector) nothin
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
 
 _OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24 tokens)
 _POS_MASK = (1 << _OWNER_SHIFT) - 1
+_tokens_warned = False
 
 
 def _ensure_wrapped() -> None:
@@ -60,6 +62,13 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires
+        # the step's input token ids, handed over by the model hook (mlxlm/attention.py) before
+        # the model runs; scoring passes (_scoring_pass.py) and their whole-model cost
+        self._wants_tokens = "tokens" in method.scorer.requires
+        self._has_passes = "pass_tokens" in self._hooks["scorer"]
+        self._tokens = self._step_tokens = self._undo_tokens = None
+        self._passes, self._pass_seconds = 0, 0.0
+        self._rows_pass: list[int] = []  # scoring-pass tokens per row
         # scores that must agree across tensor-parallel ranks: a decision over all heads of the
         # layer ("head_shared"), or KV heads every rank holds while their queries are split (MLA)
         self._head_shared = "head_shared" in method.scorer.provides
@@ -106,6 +115,8 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         if not self._rows_n:
             self._rows_n, self._rows_off = [0] * b, [0] * b
             self._rows_budget, self._rows_evicted = [self._b_default] * b, [0] * b
+        if len(self._rows_pass) != b:
+            self._rows_pass = (self._rows_pass + [0] * b)[:b]
 
     def _set_budgets(self, budgets: list) -> None:
         self._rows_budget = [self._check_budget(int(b)) for b in budgets]
@@ -184,6 +195,8 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
             keys = keys.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
             values = values.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
         self._ensure_rows(b)
+        if self._wants_tokens:
+            self._step_tokens = self._take_tokens(b, S)
         valid = self._take_valid(S)
         need = [  # slots (g per token) each row frees: it keeps budget - 1 old tokens per head
             max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
@@ -209,6 +222,24 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         v = self.keys_and_values()[1]
         k = self._attended = self._viewed_keys()
         return k, v
+
+    def _take_tokens(self, b: int, S: int):
+        """The step's token ids ``[B, S]`` the model hook handed over (None, with a one-time
+        warning, when the model was called without it: those tokens stay unscored)."""
+        global _tokens_warned
+        tok, self._tokens = self._tokens, None
+        if tok is not None and tuple(tok.shape) == (b, S):
+            return tok
+        if not _tokens_warned:
+            warnings.warn(
+                f"kvcompress: scorer {type(self.method.scorer).__name__} needs the step's token ids, "
+                "but the model was called without kvcompress's model hook; these tokens are left "
+                "unscored. Call kvcompress.install(model) or use kvcompress.make_prompt_cache(model, ...).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            _tokens_warned = True
+        return None
 
     def _seen(self) -> list:
         """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""

@@ -150,7 +150,7 @@ class _AttendMixin:
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias,
-            state=_state.snapshot(self._states["scorer"]), group=self.group,
+            state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
             owner=self._owner(), heads_per_row=self._g,
         )
         if mass is not None and not proxy:
@@ -164,6 +164,7 @@ class _AttendMixin:
         self._unreduced = self._reduce
         keep_q = S <= UNDO_TOKENS and not proxy
         self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
+        self._undo_tokens, self._step_tokens = self._step_tokens, None
 
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when

@@ -63,8 +63,10 @@ class _StateMixin:
                 self._proxy_steps -= 1
             else:
                 self._query_steps -= 1
+        tokens, self._undo_tokens = getattr(self, "_undo_tokens", None), None
         if keep:
             self._pending = (keep, [keep] * len(self._rows_n), None)
+            self._step_tokens = None if tokens is None else tokens[:, :keep]
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
         return n
 
@@ -93,6 +95,9 @@ class _StateMixin:
             "unreduced": self._unreduced,
             "components": comp,
             "n_component_arrays": n_arrays,
+            # only caches that ran scoring passes: other methods' files keep their format
+            **({"passes": {"count": self._passes, "rows_tokens": self._rows_pass, "seconds": self._pass_seconds}}
+               if self._passes else {}),
         }, arrays
 
     @property
@@ -131,6 +136,9 @@ class _StateMixin:
         self._rounds = int(m["rounds"])
         self._query_steps, self._proxy_steps = int(m["query_steps"]), int(m["proxy_steps"])
         self._unreduced = bool(m.get("unreduced", False)) and self._reduce
+        passes = m.get("passes") or {}
+        self._passes, self._pass_seconds = int(passes.get("count", 0)), float(passes.get("seconds", 0.0))
+        self._rows_pass = list(passes.get("rows_tokens", [0] * len(self._rows_n)))
         self._pending = self._undo = None
 
     @property
@@ -231,6 +239,11 @@ class _StateMixin:
             "evictions": self._rowwise([e / g if g > 1 else e for e in self._rows_evicted or [0]]),
             "score_source": self.score_source,
             "nbytes": held,
+            # scoring passes (whole-model figures, the same in every layer): extra forwards the
+            # scorer asked for, their tokens per row and their wall time
+            "scoring_passes": self._passes,
+            "scoring_pass_tokens": self._rowwise(self._rows_pass or [0]),
+            "scoring_pass_seconds": self._pass_seconds,
         }
         for kind, hooks in self._hooks.items():
             if "diagnostics" in hooks:

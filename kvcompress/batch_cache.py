@@ -42,6 +42,7 @@ class BatchCompressedKVCache(_Engine):
         self._rows_n, self._rows_evicted = [0] * b, [0] * b
         self._rows_off = [-int(p) for p in left_padding]
         self._rows_budget = [self._b_default] * b
+        self._rows_pass = [0] * b
 
     # -- what mlx-lm reads ------------------------------------------------------------------
 
@@ -136,6 +137,8 @@ class BatchCompressedKVCache(_Engine):
         c._rows_budget, c._rows_evicted = [self._rows_budget[idx]], [self._rows_evicted[idx]]
         c._rounds, c._query_steps, c._proxy_steps = self._rounds, self._query_steps, self._proxy_steps
         c._io_seen, c._g = self._io_seen, self._g
+        c._rows_pass = [self._rows_pass[idx]]
+        c._passes, c._pass_seconds = self._passes, self._pass_seconds
         for kind in _KINDS:
             c._states[kind] = _state.take_rows(self.method.component(kind), self._hooks[kind], self._states[kind], [idx])
         if self.keys is not None:
@@ -173,6 +176,8 @@ class BatchCompressedKVCache(_Engine):
         width = max(self._n, other._n)
         self._set_rows(host, _layouts(caches, width), width)
         self._rounds = max(self._rounds, other._rounds)
+        self._passes = max(self._passes, other._passes)
+        self._pass_seconds += other._pass_seconds
         self._undo = None
 
     @classmethod
@@ -196,6 +201,8 @@ class BatchCompressedKVCache(_Engine):
         out._proxy_steps = sum(c._proxy_steps for c in caches)
         out._io_seen = all(c._io_seen for c in caches)
         out._g = max(c._g for c in caches)
+        out._passes = max(c._passes for c in caches)  # each row's own count is in _rows_pass
+        out._pass_seconds = sum(c._pass_seconds for c in caches)
         return out
 
     @classmethod
@@ -209,7 +216,7 @@ class BatchCompressedKVCache(_Engine):
         )
 
 
-_HOST = ("_rows_n", "_rows_off", "_rows_budget", "_rows_evicted")
+_HOST = ("_rows_n", "_rows_off", "_rows_budget", "_rows_evicted", "_rows_pass")
 
 
 def _check_same(a, b) -> None:
@@ -226,7 +233,7 @@ def _host_rows(c) -> dict:
     """A cache's per-row host lists (an empty single cache counts as one row holding nothing)."""
     if c._rows_n:
         return {name: list(getattr(c, name)) for name in _HOST}
-    return {"_rows_n": [0], "_rows_off": [0], "_rows_budget": [c._b_default], "_rows_evicted": [0]}
+    return {"_rows_n": [0], "_rows_off": [0], "_rows_budget": [c._b_default], "_rows_evicted": [0], "_rows_pass": [0]}
 
 
 def _sub(cache, rows: list):

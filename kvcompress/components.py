@@ -49,8 +49,10 @@ KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
 #: What every cache offers its components. ``queries``: the step's real post-RoPE queries;
 #: ``step_mass``: the attention mass of all of a step's queries, computed together with the
 #: step's attention (only done when a scorer requires it); ``layer_io``: the layer's input and
-#: attention output during a prompt's first forward (see :meth:`BudgetHooks.observe_layer`).
-CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io"})
+#: attention output during a prompt's first forward (see :meth:`BudgetHooks.observe_layer`);
+#: ``tokens``: the step's input token ids (:attr:`Observation.tokens`), handed over by the model
+#: hook that :func:`kvcompress.install` gives the model.
+CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,6 +205,17 @@ class CommonHooks:
         """Read static facts from the model into the caches' states (called once at build)."""
 
 
+class ScorerHooks:
+    def pass_tokens(self, state) -> Any:
+        """Token ids ``[B, M]`` int32 (``-1``: padding) of a *scoring pass* to run through the
+        whole model before its next call, or None. The model hook asks until None; each pass
+        attends the stored slots plus its own tokens without storing or evicting anything, and
+        the scorer sees it as an :class:`~kvcompress.Observation` with ``scoring_pass=True``
+        (its observe must then change the state so that the question is eventually answered
+        None). Cost: ``scoring_passes``, ``scoring_pass_tokens``, ``scoring_pass_seconds`` in
+        ``cache.diagnostics``."""
+
+
 class SelectorHooks:
     def evict_count(self, n_evict: int) -> int:
         """Slots :meth:`Selector.select` frees when ``n_evict`` are needed (whole chunks)."""
@@ -239,7 +252,7 @@ REQUIRED_HOOKS = {
 _COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
 #: Optional hook names per kind (see the *Hooks classes above for their signatures).
 OPTIONAL_HOOKS = {
-    "scorer": _COMMON,
+    "scorer": _COMMON + ("pass_tokens",),
     "selector": _COMMON + ("evict_count", "head_group"),
     "disposition": _COMMON + ("attend", "view_keys"),
     "budget": _COMMON + ("observe_layer", "rebudget"),

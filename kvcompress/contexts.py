@@ -70,6 +70,11 @@ class Observation:
     offset: ``[B, 1, 1]`` tokens seen after the step. offsets: the same, host ints.
     state: the scorer's own state (see :meth:`Scorer.init_state`); assign a new value to
         replace it (never mutate its arrays in place: the cache keeps the old one to undo).
+    tokens: ``[B, N]`` int32 input token ids of the step (``-1``: padding), for scorers that
+        require ``"tokens"``; None when the model was called without the kvcompress model hook.
+    scoring_pass: the step is a scoring pass (see ``pass_tokens``): ``keys``/``positions`` hold
+        the stored slots followed by the pass's ``N`` tokens, and only the scores of the stored
+        slots are kept.
     """
 
     queries: mx.array
@@ -93,6 +98,8 @@ class Observation:
     owner: Optional[mx.array] = None
     heads_per_row: int = 1
     state: Any = None
+    tokens: Optional[mx.array] = None
+    scoring_pass: bool = False
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
 

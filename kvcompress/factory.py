@@ -14,7 +14,7 @@ from .contexts import LayerInfo, ModelInfo
 from .errors import ConfigError
 from .group import new_group
 from .method import Method, build_method
-from .mlxlm.attention import install, install_layer_io
+from .mlxlm.attention import base_class, install, install_layer_io
 from .mlxlm.distributed import topology
 from .registry import Registry
 
@@ -69,7 +69,7 @@ def _shared_array_mask(model: nn.Module) -> bool:
 
     for obj in (model, getattr(model, "model", None)):
         try:
-            if obj is not None and "return_array=True" in inspect.getsource(type(obj).__call__):
+            if obj is not None and "return_array=True" in inspect.getsource(base_class(obj).__call__):
                 return True
         except (OSError, TypeError):
             continue

@@ -94,13 +94,17 @@ def attention(
     additive scores, e.g. MLA's RoPE part (DeepSeek-V3 passes it as its attention mask).
     ``query_weight`` ``[B, 1, N]`` weights each query in the mass (0 for padding queries);
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
-    (``[B, H_kv, T]``, mean over each GQA group) or ``"heads"`` (``[B, H_kv, G, T]``).
+    (``[B, H_kv, T]``, mean over each GQA group), ``"heads"`` (``[B, H_kv, G, T]``) or ``"max"``
+    (``[B, H_kv, T]``: ``max_{h in group, i} w_i softmax_j(q_{h,i} . k_j * scale)``, the largest
+    attention weight key ``j`` receives from any query of its group; zero-weight queries count 0).
     ``values=None`` computes the mass only. With head groups (:func:`owner_mask`), each row of
     ``keys`` holds the slots of ``heads_per_row`` KV heads and ``owner`` ``[B, H_kv, T]`` says
     whose each slot is: a query head sees only its own KV head's slots, and the ``"group"`` mass
     of a slot is the mean over that KV head's query heads. Returns ``(out [B, H_q, N', D_v] in
     the queries' dtype or None, mass or None)``.
     """
+    if mass not in (None, "group", "heads", "max"):
+        raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     b, _, n, d = queries.shape
     h_kv, t = keys.shape[1], keys.shape[2]
     g = _split_groups(queries, h_kv)
@@ -154,8 +158,12 @@ def attention(
             outs.append(out)
         if mass is not None:
             wm = ws if query_weight is None else ws * query_weight[:, :, None, i0:i1, None].astype(mx.float32)
-            s = wm.sum(axis=-2)  # [B, H_kv, G, T]
-            total = s if total is None else total + s
+            if mass == "max":
+                s = wm.max(axis=-2)
+                total = s if total is None else mx.maximum(total, s)
+            else:
+                s = wm.sum(axis=-2)  # [B, H_kv, G, T]
+                total = s if total is None else total + s
     out = None
     if v is not None:
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
@@ -167,8 +175,10 @@ def attention(
             total = total.mean(axis=2) if g > 1 else total[:, :, 0]
             if owner is not None and heads_per_row > 1:  # each slot was seen by its own heads only
                 total = total * heads_per_row
+        elif mass == "max":
+            total = total.max(axis=2)
         elif mass != "heads":
-            raise ValueError(f"mass must be None, 'group' or 'heads', got {mass!r}")
+            raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     return out, total
 
 

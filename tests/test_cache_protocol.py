@@ -87,7 +87,8 @@ def component_state_arrays(c) -> list:
 
 # Host-side bookkeeping arrays of O(B * H) entries the cache keeps between steps (the slot the
 # last single token went into, the cached offset array of a batch cache); not storage.
-_BOOKKEEPING = {"_last_slots", "_off_arr"}
+# transient step bookkeeping (like the queries an undo record keeps): the step's token ids
+_BOOKKEEPING = {"_last_slots", "_off_arr", "_tokens", "_step_tokens", "_undo_tokens"}
 
 
 def assert_nbytes_honest(c) -> None:

@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from ..errors import ConfigError
 
-__all__ = ["install", "is_installed", "ensure_wrapped", "install_layer_io"]
+__all__ = ["install", "is_installed", "ensure_wrapped", "install_layer_io", "install_model_hook", "base_class"]
 
 _MARK = "__kvcompress_wrapped__"
 _LOCK = threading.Lock()
@@ -39,7 +39,9 @@ def _engine_class():
 
 
 def _wrap(original):
-    engine = _engine_class()
+    from .._scoring_pass import PassView
+
+    engine = (_engine_class(), PassView)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if not isinstance(cache, engine):
@@ -86,8 +88,13 @@ def _modules_of(model: nn.Module) -> set:
 def install(model: nn.Module) -> list:
     """Wrap the attention function for ``model`` (idempotent); returns the module names that use
     it. Models whose attention does not go through mlx-lm's function are left alone (their
-    single-sequence caches fall back to a key-as-query proxy, reported by ``score_source``)."""
+    single-sequence caches fall back to a key-as-query proxy, reported by ``score_source``).
+
+    Also gives ``model`` the model hook (:func:`install_model_hook`): a stateless subclass whose
+    call hands the input token ids to caches whose scorer requires ``"tokens"`` and first runs
+    the scoring passes their scorer asks for (:mod:`kvcompress._scoring_pass`)."""
     ensure_wrapped()
+    install_model_hook(model)
     return sorted(n for n in _modules_of(model) if _patch(sys.modules[n]))
 
 
@@ -147,6 +154,30 @@ def _subclass(base: type, hook) -> type:
             {"__call__": __call__, _BASE: base, "__module__": base.__module__, "__doc__": base.__doc__},
         )
     return _MADE[key]
+
+
+def _model_call(base, model, args, kwargs):
+    cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
+    if isinstance(cache, (list, tuple)) and cache:
+        from .._scoring_pass import before_call
+
+        inputs = args[0] if args else kwargs.get("inputs")
+        before_call(lambda ids, views: base.__call__(model, ids, cache=views), cache, inputs)
+    return base.__call__(model, *args, **kwargs)
+
+
+def base_class(obj) -> type:
+    """The model's (or module's) own class, looking through the subclasses installed here."""
+    return getattr(type(obj), _BASE, type(obj))
+
+
+def install_model_hook(model: nn.Module) -> None:
+    """Give ``model`` a stateless subclass whose ``__call__(inputs, cache=...)`` hands
+    ``inputs`` to the kvcompress caches whose scorer requires ``"tokens"`` and runs their
+    scorer's scoring passes first (idempotent; nothing else changes)."""
+    if not callable(getattr(type(model), "__call__", None)):
+        return
+    model.__class__ = _subclass(base_class(model), _model_call)
 
 
 def install_layer_io(model: nn.Module, layers: list) -> None:
