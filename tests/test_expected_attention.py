@@ -236,6 +236,27 @@ def test_bind_reads_each_layers_rope_and_cache_scores_match_reference():
     assert np.array(cache[0]._states["scorer"].positions)[0, 0].tolist() == list(range(32, 40))
 
 
+def test_mla_layers_are_scored_unrotated_without_value_norm():
+    """DeepSeek-V3's cache sees q_nope and latent keys and stores the RoPE keys as "values"."""
+    from mlx_lm.models import deepseek_v3
+
+    mx.random.seed(0)
+    a = deepseek_v3.ModelArgs(vocab_size=72, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                              n_routed_experts=None, first_k_dense_replace=2)
+    model = deepseek_v3.Model(a)
+    cache = kvcompress.make_prompt_cache(model, "expected_attention", budget=24, recent=4, n_sink=2)
+    for c in cache:
+        st = c._states["scorer"]
+        assert st.latent and not st.rotary and st.rope is None
+    model(mx.array([list(range(30))]), cache=cache)
+    model(mx.array([[3]]), cache=cache)
+    for c in cache:
+        s = np.array(c._score)
+        assert np.isfinite(s).all() and (s >= 0).all()
+
+
 def test_bad_parameters_name_the_problem():
     with pytest.raises((ValueError, TypeError), match="query_window"):
         ExpectedAttentionScorer(query_window=0)

@@ -55,12 +55,15 @@ DEFAULT_ROPE = RopeParams(dims=0, traditional=False, base=10000.0, scale=1.0)
 @attrs.define
 class QueryWindow:
     """Per cache: the layer's RoPE (set by ``bind``; ``None`` = :data:`DEFAULT_ROPE`, no RoPE
-    when ``rotary`` is false), the averaged rotation ``A^T`` ``[D, D]`` (built on first use), and
-    per row the last ``w`` post-RoPE queries ``[B, H_q, w, D]`` with positions ``[B, 1, w]``
-    (``-1``: not filled yet)."""
+    when ``rotary`` is false), whether the layer is an MLA latent cache (``latent``: its queries
+    carry no RoPE and its stored "values" are the RoPE keys, so neither rotation nor value norm
+    apply), the averaged rotation ``A^T`` ``[D, D]`` (built on first use), and per row the last
+    ``w`` post-RoPE queries ``[B, H_q, w, D]`` with positions ``[B, 1, w]`` (``-1``: not filled
+    yet)."""
 
     rope: Optional[RopeParams] = None
     rotary: bool = True
+    latent: bool = False
     rotation: Optional[mx.array] = None
     queries: Optional[mx.array] = rows_field()
     positions: Optional[mx.array] = rows_field(fill=-1)
@@ -140,7 +143,8 @@ class ExpectedAttentionScorer:
             block = cache.info.block if cache.info.block is not None else cache.info.layer
             attn = getattr(layers[block], "self_attn", getattr(layers[block], "attention", None))
             module = getattr(attn, "rope", None)
-            if module is None:
+            latent = hasattr(attn, "kv_lora_rank")  # MLA: the cache sees q_nope and latent keys
+            if module is None or latent:
                 rope, rotary = None, False
             else:
                 try:
@@ -151,7 +155,9 @@ class ExpectedAttentionScorer:
                         f"{type(module).__name__!r} of layer {block}: it supports nn.RoPE and mlx-lm "
                         "RoPE modules with fixed frequencies (Llama3, YaRN, SuScaled, Proportional)"
                     ) from None
-            cache._states["scorer"] = attrs.evolve(cache._states["scorer"], rope=rope, rotary=rotary, rotation=None)
+            cache._states["scorer"] = attrs.evolve(
+                cache._states["scorer"], rope=rope, rotary=rotary, latent=latent, rotation=None
+            )
 
     def events(self, obs) -> list:
         """Per row: whether this step re-scores the row (its own real tokens, never the batch's)."""
@@ -171,7 +177,8 @@ class ExpectedAttentionScorer:
         events = self.events(obs)
         if not any(events):
             return scores
-        new = self.expected_scores(q, qpos, obs.keys, obs.values, obs.positions, obs.offset, obs.scale, rope, rot)
+        values = None if st.latent else obs.values
+        new = self.expected_scores(q, qpos, obs.keys, values, obs.positions, obs.offset, obs.scale, rope, rot)
         if all(events):
             return new
         return mx.where(mx.array(events).reshape(-1, 1, 1), new, scores)
@@ -203,6 +210,8 @@ class ExpectedAttentionScorer:
         held = (positions >= 0)[:, :, None, :]
         z = mx.where(held, z, -mx.inf)
         p = mx.softmax(z, axis=-1, precise=True).mean(axis=2)  # [B, H, T]
-        if self.use_vnorm and values is not None:
-            p = (p + self.epsilon) * mx.linalg.norm(values.astype(mx.float32), axis=-1)
+        if self.use_vnorm:  # no values (an MLA latent cache, a hand-built observation): norm 1
+            p = p + self.epsilon
+            if values is not None:
+                p = p * mx.linalg.norm(values.astype(mx.float32), axis=-1)
         return mx.where(positions >= 0, p, 0.0)
