@@ -149,7 +149,7 @@ class _AttendMixin:
             queries=queries, keys=k, positions=self._positions(), query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
-            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias,
+            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias, values=self.keys_and_values()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
             owner=self._owner(), heads_per_row=self._g,
         )

@@ -63,6 +63,8 @@ class Observation:
     queries: ``[B, H_q, N, D]`` post-RoPE queries, or key-as-query proxies ``[B, H, N, D]`` when
         ``proxy`` is true (a model that bypassed mlx-lm's attention function).
     keys: ``[B, H, T, D]`` every stored key the step attended, new ones included.
+    values: ``[B, H, T, D_v]`` the stored values of the same slots (None where a caller has
+        none to give, e.g. a hand-built observation; value-weighted scorers then use norm 1).
     positions: ``[B, H, T]`` int32 position of each slot (``-1``: empty).
     query_positions: ``[B, 1, N]`` int32 position of each query.
     query_weight: ``[B, 1, N]`` 1 for real queries, 0 for padding; None when all are real.
@@ -97,6 +99,7 @@ class Observation:
     #: ``[B, H, T]`` (``H`` rows of ``heads_per_row`` KV heads), or None
     owner: Optional[mx.array] = None
     heads_per_row: int = 1
+    values: Optional[mx.array] = None
     state: Any = None
     tokens: Optional[mx.array] = None
     scoring_pass: bool = False

@@ -77,10 +77,11 @@ def observation(
     if any(v < n_new for v in valid):
         weight = (mx.arange(n_new).reshape(1, 1, n_new) < offsets(valid)).astype(mx.float32)
     seen = [h + v for h, v in zip(held, valid)]
+    values = normal(rng, (B, H_KV, t_old + n_new, D), dtype)  # drawn last: earlier draws unchanged
     obs = Observation(
         queries=queries, keys=keys, positions=positions, query_positions=qpos, n_new=n_new, scale=D**-0.5,
         offset=offsets(seen), offsets=tuple(seen), layer=LAYER, n_valid=tuple(valid), query_weight=weight,
-        proxy=proxy, state=state,
+        proxy=proxy, state=state, values=values,
     )
     return scores, obs
 
@@ -159,7 +160,8 @@ def batch_row(obs: Observation, b: int, state: Any = None) -> tuple[Observation,
     n = obs.n_valid[b]
     t = obs.keys.shape[2] - (obs.n_new - n)
     row = replace(
-        obs, queries=obs.queries[sl, :, :n], keys=obs.keys[sl, :, :t], positions=obs.positions[sl, :, :t],
+        obs, queries=obs.queries[sl, :, :n], keys=obs.keys[sl, :, :t],
+        values=None if obs.values is None else obs.values[sl, :, :t], positions=obs.positions[sl, :, :t],
         query_positions=obs.query_positions[sl, :, :n], n_new=n, offset=obs.offset[sl], offsets=(obs.offsets[b],),
         n_valid=(n,), query_weight=None, state=state,
     )

@@ -214,8 +214,8 @@ def _component_ms(kind: str, s, n: int) -> dict:
     qpos = off - 1
 
     def score_fn():
-        obs = Observation(queries=q1, keys=k, positions=pos, query_positions=qpos, n_new=1, scale=scale,
-                          n_valid=(1,), state=c._states["scorer"], **ctx)
+        obs = Observation(queries=q1, keys=k, values=v, positions=pos, query_positions=qpos, n_new=1,
+                          scale=scale, n_valid=(1,), state=c._states["scorer"], **ctx)
         return m.scorer.observe(score, obs)
 
     def select_fn():

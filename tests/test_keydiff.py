@@ -1,0 +1,96 @@
+"""KeyDiff scorer against a NumPy reference; the eviction it drives in a cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvcompress
+from kvcompress import Observation
+from kvcompress._contracts.synthetic import LAYER, normal, offsets, shuffled_positions
+from kvcompress_keydiff import KeyDiffScorer
+
+from conftest import tiny_llama
+
+D, H_KV = 16, 2
+
+
+def reference(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``-cos(k_j, mean of the normalised held keys)`` per (row, head); 0 for empty slots."""
+    out = np.zeros(positions.shape)
+    for b in range(keys.shape[0]):
+        for h in range(keys.shape[1]):
+            held = positions[b, h] >= 0
+            unit = keys[b, h] / np.linalg.norm(keys[b, h], axis=-1, keepdims=True)
+            anchor = unit[held].mean(axis=0)
+            cos = unit @ anchor / np.linalg.norm(anchor)
+            out[b, h] = np.where(held, -cos, 0.0)
+    return out
+
+
+def _obs(rng, batch, gqa, dtype, t_old=9, n_new=3):
+    held = [t_old - 3 * (b % 2) for b in range(2)]  # row 1 holds 3 empty slots
+    pos = np.concatenate([shuffled_positions(rng, t_old, held)[:batch],
+                          np.broadcast_to(np.arange(n_new) + np.array(held[:batch]).reshape(-1, 1, 1),
+                                          (batch, H_KV, n_new))], axis=-1).astype(np.int32)
+    seen = [h + n_new for h in held[:batch]]
+    t = t_old + n_new
+    keys = normal(rng, (batch, H_KV, t, D), dtype) * 3.0 + 1.0  # a shared direction, as real keys have
+    obs = Observation(
+        queries=normal(rng, (batch, H_KV * gqa, n_new, D), dtype), keys=keys, positions=mx.array(pos),
+        query_positions=offsets(held[:batch]) + mx.arange(n_new, dtype=mx.int32).reshape(1, 1, n_new),
+        n_new=n_new, scale=D**-0.5, offset=offsets(seen), offsets=tuple(seen), layer=LAYER,
+        n_valid=(n_new,) * batch,
+    )
+    return mx.zeros(pos.shape, mx.float32), obs
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+def test_scores_match_numpy_reference(dtype, batch, gqa):
+    rng = np.random.default_rng(5 + batch + gqa)
+    scores, obs = _obs(rng, batch, gqa, dtype)
+    out = KeyDiffScorer().observe(scores, obs)
+    assert out.dtype == mx.float32 and out.shape == scores.shape
+    pos = np.array(obs.positions)
+    want = reference(np.array(obs.keys.astype(mx.float32), dtype=np.float64), pos)
+    got = np.array(out)
+    assert np.allclose(got, want, atol=2e-5), np.abs(got - want).max()
+    assert (got >= -1 - 1e-5).all() and (got <= 1 + 1e-5).all()
+    # empty slots neither score nor move the anchor: garbage in them changes nothing
+    junk = mx.where(obs.positions[..., None] < 0, 1e3, obs.keys)
+    again = KeyDiffScorer().observe(scores, Observation(**{**_fields(obs), "keys": junk}))
+    assert np.allclose(np.array(again), got, atol=1e-6)
+    # query-free: other queries give the same scores
+    other = KeyDiffScorer().observe(scores, Observation(**{**_fields(obs), "queries": -obs.queries}))
+    assert np.array_equal(np.array(other), got)
+
+
+def _fields(obs):
+    import attrs
+
+    return {f.name: getattr(obs, f.name) for f in attrs.fields(type(obs)) if f.init}
+
+
+def test_cache_keeps_the_most_distinctive_keys():
+    """After a prefill past the budget, each head keeps the sinks, the recent window and the
+    keys farthest from its mean key direction (the reference's choice from the stored keys)."""
+    model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    budget, n_sink, recent = 20, 2, 4
+    cache = kvcompress.make_prompt_cache(model, "keydiff", budget=budget, n_sink=n_sink, recent=recent)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 97, 48))
+    model(prompt[None], cache=cache)
+    before = [(np.array(c.keys_and_values()[0]), np.array(c._pos)) for c in cache]
+    model(mx.array([[5]]), cache=cache)  # the deferred eviction happens at the next update
+    for c, (keys, pos) in zip(cache, before):
+        s = reference(keys.astype(np.float64), pos)
+        kept = np.array(c._pos)
+        for h in range(keys.shape[1]):
+            free = (pos[0, h] >= n_sink) & (pos[0, h] < 48 - recent)
+            order = np.argsort(-s[0, h][free], kind="stable")
+            want = set(pos[0, h][free][order[: budget - 1 - n_sink - recent]].tolist())
+            want |= set(range(n_sink)) | set(range(48 - recent, 48))
+            got = set(kept[0, h].tolist()) - {48, -1}
+            assert got == want, h
