@@ -98,6 +98,9 @@ def _workload(args):
     import mlx_lm
 
     text, where = load_text(args.data)
+    local = Path(args.model).expanduser()
+    if (local.exists() or args.model.startswith((".", "/", "~"))) and not (local / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no mlx-lm model folder there (config.json missing)")
     try:
         model, tokenizer = mlx_lm.load(args.model)
     except Exception as exc:  # a missing folder, an unknown id, no network

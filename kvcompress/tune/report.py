@@ -81,8 +81,7 @@ def ranking_rows(payload: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]
 def finalist_rows(payload: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
     perplexity = payload["workload"]["workload"] == "perplexity"
     cols = ["finalist", "search gap", "held-out gap ± se", "ppl ratio" if perplexity else "accuracy lost"]
-    rows = [[f["label"] + (" (over)" if f["over"] else "") + (" <- winner" if f is payload["winner"]
-                                                             or f == payload["winner"] else ""),
+    rows = [[f["label"] + (" (over)" if f["over"] else "") + (" <- winner" if f == payload["winner"] else ""),
              f["search_gap"], _pm(f["gap"], f["se"]), f["ratio"]] for f in payload["finalists"]]
     return cols, rows
 

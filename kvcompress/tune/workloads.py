@@ -141,7 +141,7 @@ class RetrievalWorkload:
 
     def ratio(self, gap: float) -> float:
         """What a gap means to a user: the accuracy lost (a fraction of questions)."""
-        return -gap
+        return gap
 
     def measure(self, make_cache: Callable[[], list], split: str) -> Measurement:
         from kvcompress.bench._caches import live_kv_bytes
