@@ -162,7 +162,8 @@ def test_defaults_first_then_best_methods_changes_then_combined():
     assert stages[:2] == ["defaults", "defaults"]
     assert stages.index("combined") > max(i for i, s in enumerate(stages) if s == "one")
     ones = [r["method"] for r in res["candidates"] if r["stage"] == "one"]
-    assert ones[0] == "snapkv" and ones[-1] == "h2o"  # the better method's changes first
+    assert ones[:4] == ["snapkv", "h2o", "snapkv", "h2o"]  # round-robin, the better method first
+    assert ones[-1] == "snapkv"  # snapkv has more changes to try
     comb = [r for r in res["candidates"] if r["stage"] == "combined"]
     assert [c["label"] for c in comb] == ["snapkv:interval=1,kernel=3,n_sink=8"]  # each change that helped
     assert res["winner"]["label"] == comb[0]["label"]
@@ -259,7 +260,8 @@ def test_toml_round_trip(tmp_path):
 
 def test_tiny_run_on_stories260k(stories_model, stories_text, tmp_path):
     model, tokenizer = stories_model
-    w = TextWorkload(model, tokenizer, stories_text, window=64, prefill=16, windows=3, heldout=3, batch=3)
+    w = TextWorkload(model, tokenizer, stories_text[:20_000], window=64, prefill=16, windows=3, heldout=3,
+                     batch=3)
     res = run_search(w, 16, methods=["h2o", "tova", "streaming_llm"], candidates=3, finalists=3,
                      max_seconds=600, progress=False, log=lambda line: None)
     done = [r for r in res["candidates"] if r.get("gap") is not None]

@@ -101,7 +101,13 @@ def print_ranking(payload: Mapping[str, Any], plain: bool = False, top: int = 0)
             print(f"  {r['label']}: {r.get('skipped') or r.get('error')}")
     if payload["left_out"]:
         why = sorted({x["why"] for x in payload["left_out"]})
-        print(f"  left out ({'; '.join(why)}): " + ", ".join(x["label"] for x in payload["left_out"]))
+        print(f"  left out ({'; '.join(why)}): {len(payload['left_out'])} candidates")
+        by: dict[str, list[str]] = {}
+        for x in payload["left_out"]:
+            method, _, params = x["label"].partition(":")
+            by.setdefault(method, []).append(params or "defaults")
+        for method, what in by.items():
+            print(f"    {method}: {', '.join(what)}")
     cols, rows = finalist_rows(payload)
     print_table("held-out items (the winner is picked here)", cols, rows, plain=plain)
 

@@ -6,8 +6,9 @@
    :data:`COST_FACTOR` per candidate, plus the held-out phase.
 2. Every method at its defaults; then a second estimate from their measured times.
 3. One-parameter changes (:func:`~kvcompress.tune.space.one_parameter_changes`) of the methods
-   that fit the memory budget, best defaults first; then one ``combined`` candidate per method
-   (:func:`~kvcompress.tune.space.combined`).
+   that fit the memory budget, round-robin over the methods with the best defaults first (each
+   method's first change, then each one's second, ...: a bounded run reaches every method);
+   then one ``combined`` candidate per method (:func:`~kvcompress.tune.space.combined`).
 4. The best ``finalists`` candidates and the full cache are measured again on the held-out
    items; the winner is the lowest held-out gap.
 
@@ -64,8 +65,8 @@ def _minutes(seconds: float) -> str:
 class _Bar:
     """A tqdm bar on stderr (or nothing) with a ``write`` that does not break it."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
+    def __init__(self, total: int, enabled: bool, say: Callable[[str], None]):
+        self.bar, self.say = None, say
         if enabled:
             from kvcompress.bench._report import progress_bar
 
@@ -76,7 +77,7 @@ class _Bar:
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
-            print(line, file=sys.stderr)
+            self.say(line)
 
     def step(self, label: str, best: Optional[str]) -> None:
         if self.bar is not None:
@@ -119,8 +120,14 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     per = full.seconds * COST_FACTOR
 
     def heldout_time(per_candidate: float) -> float:
-        return (full.seconds + finalists * per_candidate) * n_held / max(n_search, 1)
+        """The held-out phase: the full cache and the finalists (the current best candidates'
+        own times once known: the slow ones often lead) on ``n_held`` items."""
+        best = sorted((r for r in records if r.get("gap") is not None and (allow_over or not r["over"])),
+                      key=lambda r: r["gap"])[:finalists]
+        times = [r["seconds"] for r in best] + [per_candidate] * (finalists - len(best))
+        return (full.seconds + sum(times)) * n_held / max(n_search, 1)
 
+    records: list[dict] = []
     first = bounded * per + heldout_time(per)
     say(f"tune: {len(queue)} methods at budget {budget}; up to {planned} candidates ({len(queue)} defaults, "
         f"{n_one} one-parameter changes, {n_comb} combined), {bounded} within --candidates {candidates}")
@@ -129,9 +136,8 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     estimates = {"full_pass_seconds": full.seconds, "cost_factor": COST_FACTOR, "planned": planned,
                  "before_seconds": first}
 
-    records: list[dict] = []
     left_out = [{"label": c.label, "stage": c.stage, "why": reg.unavailable(c.method)} for c in missing]
-    bar = _Bar(bounded, progress)
+    bar = _Bar(bounded, progress, say)
     state = {"stopped": None}
 
     def best_label() -> Optional[str]:
@@ -163,11 +169,15 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
         run_one(cand)
     base = {r["method"]: r for r in records if r["stage"] == "defaults" and r.get("gap") is not None}
     order = sorted((r for r in base.values() if not r["over"]), key=lambda r: r["gap"])
-    grid = [c for r in order for c in one_parameter_changes(_spec(reg, r["method"]), space)]
+    # round-robin over the methods, best defaults first: a bounded run tries every method's first
+    # changes before any method's last (SEARCH_SPACE lists each component's main parameter first)
+    lists = [one_parameter_changes(_spec(reg, r["method"]), space) for r in order]
+    grid = [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
     n_comb = sum(len(method_space(_spec(reg, r["method"]), space)) >= 2 for r in order)
     second = mean_seconds() * min(len(grid) + n_comb, max(candidates - len(base), 0)) + heldout_time(mean_seconds())
     estimates.update(after_defaults_seconds=second, defaults_mean_seconds=mean_seconds())
-    say(f"tune: defaults done in {_minutes(clock() - start)}; {len(grid)} one-parameter changes and up to "
+    bar.write(
+        f"tune: defaults done in {_minutes(clock() - start)}; {len(grid)} one-parameter changes and up to "
         f"{n_comb} combined left: about {_minutes(second)} more")
     for cand in grid:
         run_one(cand)

@@ -14,7 +14,8 @@ Candidates (:class:`Candidate`) are a method plus flat parameter overrides; the 
 when a cache is built. The search order (:mod:`kvcompress.tune.search`):
 
 1. every method at its defaults;
-2. one-parameter changes, the best methods (by their defaults' score) first;
+2. one-parameter changes, round-robin over the methods, the best (by their defaults' score)
+   first;
 3. per method, one ``combined`` candidate joining every change that helped on its own (each
    parameter at its best helping value), when at least two did.
 """
