@@ -189,6 +189,17 @@ def test_candidates_bound_lists_what_is_left_out():
         x["label"] for x in res["left_out"]}
 
 
+def test_candidates_bound_keeps_slots_for_combined_candidates():
+    table = {"h2o": 1.2, "snapkv": 1.1, ("interval", 1): -0.05, ("kernel", 3): -0.02}
+    res = _run(FakeWorkload(_method_loss(table)), methods=["h2o", "snapkv"], candidates=13, max_seconds=1e9)
+    done = [r for r in res["candidates"] if "skipped" not in r]
+    # 2 defaults + 9 round-robin changes (up to snapkv:kernel=3), 2 slots kept back: snapkv's
+    # combined candidate takes one, h2o forms none, so the next waiting change takes the other
+    assert len(done) == 13 and [r["stage"] for r in done].count("combined") == 1
+    assert done[11]["label"] == "snapkv:interval=1,kernel=3" and done[12]["stage"] == "one"
+    assert res["winner"]["label"] == "snapkv:interval=1,kernel=3" and res["left_out"]
+
+
 def test_max_minutes_bounds_the_whole_run_held_out_included():
     w = FakeWorkload(_method_loss({}), step=10.0)
     res = _run(w, methods=["h2o", "snapkv"], candidates=1000, max_seconds=120.0, finalists=2)

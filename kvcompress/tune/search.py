@@ -8,7 +8,8 @@
 3. One-parameter changes (:func:`~kvcompress.tune.space.one_parameter_changes`) of the methods
    that fit the memory budget, round-robin over the methods with the best defaults first (each
    method's first change, then each one's second, ...: a bounded run reaches every method);
-   then one ``combined`` candidate per method (:func:`~kvcompress.tune.space.combined`).
+   then one ``combined`` candidate per method (:func:`~kvcompress.tune.space.combined`), whose
+   slots are kept back from ``candidates`` (unused ones go to the changes that waited).
 4. The best ``finalists`` candidates and the full cache are measured again on the held-out
    items; the winner is the lowest held-out gap.
 
@@ -148,16 +149,20 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
         times = [r["seconds"] for r in records if r.get("gap") is not None]
         return sum(times) / len(times) if times else per
 
-    def run_one(cand: Candidate) -> Optional[dict]:
+    def run_one(cand: Candidate, cap: int = candidates, deferred: Optional[list] = None) -> Optional[dict]:
+        """Measure ``cand`` unless a bound says no; past ``cap`` (< ``candidates``: slots kept back
+        for the combined candidates) it goes to ``deferred``, tried when slots are left over."""
         measured = sum(1 for r in records if "skipped" not in r)
-        why = None
-        if measured >= candidates:
-            why = f"--candidates {candidates} reached"
-        elif clock() - start + mean_seconds() + heldout_time(mean_seconds()) > max_seconds:
-            why = f"--max-minutes {max_seconds / 60:g} reached"
-        if why or state["stopped"]:
-            state["stopped"] = state["stopped"] or why
-            left_out.append({"label": cand.label, "stage": cand.stage, "why": state["stopped"]})
+        why = state["stopped"]
+        if why is None and measured >= candidates:
+            why = state["stopped"] = f"--candidates {candidates} reached"
+        elif why is None and clock() - start + mean_seconds() + heldout_time(mean_seconds()) > max_seconds:
+            why = state["stopped"] = f"--max-minutes {max_seconds / 60:g} reached"
+        elif why is None and measured >= cap:
+            deferred.append(cand)
+            return None
+        if why:
+            left_out.append({"label": cand.label, "stage": cand.stage, "why": why})
             return None
         rec = _measure(workload, factory, cand, budget, full, limit, bar)
         records.append(rec)
@@ -179,16 +184,22 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     bar.write(
         f"tune: defaults done in {_minutes(clock() - start)}; {len(grid)} one-parameter changes and up to "
         f"{n_comb} combined left: about {_minutes(second)} more")
+    # slots for the combined candidates are kept back from --candidates; one-parameter changes
+    # past them wait, and run in the slots the combined candidates leave unused
+    deferred: list[Candidate] = []
     for cand in grid:
-        run_one(cand)
+        run_one(cand, cap=max(candidates - n_comb, len(base)), deferred=deferred)
     for r in order:
         tried = [(Candidate(x["method"], x["params"], x["stage"]), x.get("gap")) for x in records]
         cand = combined(r["method"], r["gap"], tried)
         if cand is not None:
             run_one(cand)
+    for cand in deferred:
+        run_one(cand)
     bar.close()
-    if state["stopped"]:
-        say(f"tune: stopped ({state['stopped']}); {len(left_out)} candidates left out")
+    if left_out:
+        why = "; ".join(sorted({x["why"] for x in left_out}))
+        say(f"tune: {len(left_out)} candidates left out ({why})")
 
     # finalists on held-out items
     ok = [r for r in records if r.get("gap") is not None and (allow_over or not r["over"])]
