@@ -200,6 +200,14 @@ def test_candidates_bound_keeps_slots_for_combined_candidates():
     assert res["winner"]["label"] == "snapkv:interval=1,kernel=3" and res["left_out"]
 
 
+def test_max_minutes_keeps_time_for_combined_candidates():
+    table = {"h2o": 1.2, "snapkv": 1.1, ("interval", 1): -0.05, ("kernel", 1): -0.02}
+    w = FakeWorkload(_method_loss(table), step=10.0)
+    res = _run(w, methods=["h2o", "snapkv"], candidates=1000, max_seconds=200.0, finalists=2)
+    stages = [r["stage"] for r in res["candidates"] if "skipped" not in r]
+    assert "combined" in stages and res["stopped"].startswith("--max-minutes") and w.now <= 200.0
+
+
 def test_max_minutes_bounds_the_whole_run_held_out_included():
     w = FakeWorkload(_method_loss({}), step=10.0)
     res = _run(w, methods=["h2o", "snapkv"], candidates=1000, max_seconds=120.0, finalists=2)

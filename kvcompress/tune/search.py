@@ -9,7 +9,7 @@
    that fit the memory budget, round-robin over the methods with the best defaults first (each
    method's first change, then each one's second, ...: a bounded run reaches every method);
    then one ``combined`` candidate per method (:func:`~kvcompress.tune.space.combined`), whose
-   slots are kept back from ``candidates`` (unused ones go to the changes that waited).
+   slots and time are kept back from the bounds (what they leave goes to the changes that waited).
 4. The best ``finalists`` candidates and the full cache are measured again on the held-out
    items; the winner is the lowest held-out gap.
 
@@ -149,16 +149,18 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
         times = [r["seconds"] for r in records if r.get("gap") is not None]
         return sum(times) / len(times) if times else per
 
-    def run_one(cand: Candidate, cap: int = candidates, deferred: Optional[list] = None) -> Optional[dict]:
-        """Measure ``cand`` unless a bound says no; past ``cap`` (< ``candidates``: slots kept back
-        for the combined candidates) it goes to ``deferred``, tried when slots are left over."""
+    def run_one(cand: Candidate, cap: int = candidates, keep: int = 0, deferred: Optional[list] = None):
+        """Measure ``cand`` unless a bound says no; past ``cap`` slots, or when the time of ``keep``
+        more candidates would not fit (slots and time kept back for the combined candidates),
+        it goes to ``deferred``, tried with what they leave over."""
         measured = sum(1 for r in records if "skipped" not in r)
+        ahead = clock() - start + mean_seconds() + heldout_time(mean_seconds())
         why = state["stopped"]
         if why is None and measured >= candidates:
             why = state["stopped"] = f"--candidates {candidates} reached"
-        elif why is None and clock() - start + mean_seconds() + heldout_time(mean_seconds()) > max_seconds:
+        elif why is None and ahead > max_seconds:
             why = state["stopped"] = f"--max-minutes {max_seconds / 60:g} reached"
-        elif why is None and measured >= cap:
+        elif why is None and (measured >= cap or ahead + keep * mean_seconds() > max_seconds):
             deferred.append(cand)
             return None
         if why:
@@ -184,11 +186,11 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     bar.write(
         f"tune: defaults done in {_minutes(clock() - start)}; {len(grid)} one-parameter changes and up to "
         f"{n_comb} combined left: about {_minutes(second)} more")
-    # slots for the combined candidates are kept back from --candidates; one-parameter changes
-    # past them wait, and run in the slots the combined candidates leave unused
+    # slots and time for the combined candidates are kept back from the bounds; one-parameter
+    # changes past them wait, and run in what the combined candidates leave unused
     deferred: list[Candidate] = []
     for cand in grid:
-        run_one(cand, cap=max(candidates - n_comb, len(base)), deferred=deferred)
+        run_one(cand, cap=max(candidates - n_comb, len(base)), keep=n_comb, deferred=deferred)
     for r in order:
         tried = [(Candidate(x["method"], x["params"], x["stage"]), x.get("gap")) for x in records]
         cand = combined(r["method"], r["gap"], tried)
