@@ -105,7 +105,7 @@ def print_ranking(payload: Mapping[str, Any], plain: bool = False, top: int = 0)
         by: dict[str, list[str]] = {}
         for x in payload["left_out"]:
             method, _, params = x["label"].partition(":")
-            by.setdefault(method, []).append(params or "defaults")
+            by.setdefault(method, []).append(f"[{params}]" if x["stage"] == "combined" else params or "defaults")
         for method, what in by.items():
             print(f"    {method}: {', '.join(what)}")
     cols, rows = finalist_rows(payload)
