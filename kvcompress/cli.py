@@ -23,7 +23,7 @@ BENCH_WORKLOADS = {
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
-PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat")
+PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
 
 
 def _registry():
@@ -168,6 +168,16 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from .tune.cli import run
+
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad options, data or model: one line
+        print(f"kvcompress tune: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
 def cmd_doctor(args) -> int:
     import platform
 
@@ -279,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate.add_arguments(p)
     p.set_defaults(func=lambda a: generate.run(a) and 0)
+
+    p = sub.add_parser("tune", help="search methods and parameters for a model at a budget; write the best config",
+                       description="A bounded search over the registered methods and their main parameters on "
+                                   "your text (or the bundled workloads): ranking with standard errors, the "
+                                   "winning config (tune.toml), tune.json and a plot.")
+    from .tune.cli import add_arguments as tune_arguments
+
+    tune_arguments(p)
+    p.set_defaults(func=cmd_tune)
 
     from .mlxlm.commands import _DESCRIPTIONS
 

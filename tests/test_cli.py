@@ -130,7 +130,7 @@ LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 def test_doctor_installed_openblas_is_preloaded_by_the_heavy_commands(monkeypatch, capsys):
     blas, hint = _doctor_blas(monkeypatch, capsys, found=LIB, preloaded=False)
-    assert blas == f"blas       OpenBLAS found at {LIB}; `kvcompress bench`, `kvcompress generate`, `kvcompress serve`, `kvcompress chat` preload it automatically"
+    assert blas == f"blas       OpenBLAS found at {LIB}; `kvcompress bench`, `kvcompress generate`, `kvcompress serve`, `kvcompress chat`, `kvcompress tune` preload it automatically"
     assert hint.split() == ["for", "your", "own", "scripts:", "export", f"LD_PRELOAD={LIB}"]
     assert "apt-get" not in blas + hint and "not preloaded" not in blas
 
