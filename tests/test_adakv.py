@@ -154,3 +154,22 @@ def test_head_wise_invariants_every_step(budget, prompt, chunk, decode, alpha, n
             p = p[p >= 0]
             assert len(set(p.tolist())) == p.size and p.max() == j - 1
             assert set(range(min(n_sink, j))) <= set(p.tolist())
+
+
+def test_composes_with_a_query_free_scorer_and_refuses_one_that_mixes_heads():
+    """Head-wise budgets over KeyDiff (a scorer that tells heads apart) run and hold the layer
+    total; a scorer that does not declare ``head_groups`` is refused when the cache is built."""
+    from kvcompress.errors import CompositionError
+
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2, seed=4)
+    (c,) = kvcompress.make_prompt_cache(model, None, scorer="keydiff", selector="adaptive",
+                                        disposition="drop", budget={"name": "uniform", "budget": 16})
+    tokens = mx.array(np.random.default_rng(4).integers(1, 97, (1, 60)), dtype=mx.int32)
+    model(tokens[:, :40], cache=[c])
+    for i in range(40, 60):
+        model(tokens[:, i : i + 1], cache=[c])
+    counts = (np.array(c.head_view()[2])[0] >= 0).sum(-1)
+    assert counts.sum() == 2 * c.budget and c.evictions > 0
+    with pytest.raises(CompositionError, match="head_groups"):
+        kvcompress.make_prompt_cache(model, None, scorer="expected_attention", selector="adaptive",
+                                     disposition="drop", budget={"name": "uniform", "budget": 16})

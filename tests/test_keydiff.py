@@ -94,3 +94,29 @@ def test_cache_keeps_the_most_distinctive_keys():
             want |= set(range(n_sink)) | set(range(48 - recent, 48))
             got = set(kept[0, h].tolist()) - {48, -1}
             assert got == want, h
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_head_groups_score_each_head_against_its_own_anchor(g):
+    """A row holding ``g`` heads' slots (AdaKV's head groups, slots tagged by ``owner``) scores
+    every slot as the reference scores it among its own head's slots alone."""
+    rng = np.random.default_rng(g)
+    t = 7 * g
+    owner = rng.permutation(np.repeat(np.arange(g), 7)).reshape(1, 1, t).astype(np.int32)
+    pos = np.zeros((1, 1, t), np.int32)
+    for h in range(g):
+        pos[owner == h] = rng.permutation(7)
+    pos[0, 0, 3] = owner[0, 0, 3] = -1  # one empty slot
+    keys = rng.standard_normal((1, 1, t, D)).astype(np.float32) * 3.0 + 1.0
+    obs = Observation(
+        queries=mx.zeros((1, 2, 1, D)), keys=mx.array(keys), positions=mx.array(pos),
+        query_positions=mx.full((1, 1, 1), 7, mx.int32), n_new=1, scale=D**-0.5,
+        offset=offsets([8]), offsets=(8,), layer=LAYER, n_valid=(1,),
+        owner=mx.array(owner), heads_per_row=g,
+    )
+    got = np.array(KeyDiffScorer().observe(mx.zeros(pos.shape, mx.float32), obs))[0, 0]
+    for h in range(g):
+        mine = np.flatnonzero(owner[0, 0] == h)
+        want = reference(keys[:, :, mine].astype(np.float64), pos[:, :, mine])[0, 0]
+        assert np.allclose(got[mine], want, atol=2e-5)
+    assert got[3] == 0.0
