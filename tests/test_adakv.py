@@ -171,5 +171,5 @@ def test_composes_with_a_query_free_scorer_and_refuses_one_that_mixes_heads():
     counts = (np.array(c.head_view()[2])[0] >= 0).sum(-1)
     assert counts.sum() == 2 * c.budget and c.evictions > 0
     with pytest.raises(CompositionError, match="head_groups"):
-        kvcompress.make_prompt_cache(model, None, scorer="expected_attention", selector="adaptive",
+        kvcompress.make_prompt_cache(model, None, scorer="tova", selector="adaptive",
                                      disposition="drop", budget={"name": "uniform", "budget": 16})

@@ -263,3 +263,30 @@ def test_bad_parameters_name_the_problem():
     with pytest.raises((ValueError, TypeError), match="n_future_positions"):
         ExpectedAttentionScorer(n_future_positions=0)
     assert attrs.fields_dict(ExpectedAttentionScorer)["interval"].default == 16
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_head_groups_score_each_slot_with_its_own_heads_queries(gqa):
+    """Two KV heads stored in one row (AdaKV's head groups, slots tagged by ``owner``) score
+    exactly as the two heads scored apart: each slot by its own KV head's query heads."""
+    rng = np.random.default_rng(gqa)
+    b, t, w, d = 1, 6, 4, 8
+    scorer = ExpectedAttentionScorer(n_future_positions=3, query_window=w, n_sink=0)
+    rot = averaged_rotation(None, d, 3)
+    q = mx.array(rng.standard_normal((b, 2 * gqa, w, d)).astype(np.float32))
+    qpos = mx.arange(t, t + w, dtype=mx.int32).reshape(1, 1, w)
+    k = rng.standard_normal((b, 2, t, d)).astype(np.float32)
+    v = rng.standard_normal((b, 2, t, d)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, 2, t)).copy()
+    pos[0, 1, 2] = -1  # head 1 holds one token fewer
+    off = mx.full((b, 1, 1), t + w, mx.int32)
+    apart = np.array(scorer.expected_scores(q, qpos, mx.array(k), mx.array(v), mx.array(pos), off, d**-0.5,
+                                            None, rot))
+    order = rng.permutation(2 * t)  # the row's slots: both heads' tokens, shuffled
+    owner = np.repeat([0, 1], t)[order].reshape(1, 1, -1).astype(np.int32)
+    rk, rv = k.reshape(b, 1, 2 * t, d)[:, :, order], v.reshape(b, 1, 2 * t, d)[:, :, order]
+    rpos = pos.reshape(b, 1, 2 * t)[:, :, order]
+    owner = np.where(rpos >= 0, owner, -1)
+    grouped = np.array(scorer.expected_scores(q, qpos, mx.array(rk), mx.array(rv), mx.array(rpos), off, d**-0.5,
+                                              None, rot, mx.array(owner), 2))
+    np.testing.assert_allclose(grouped, apart.reshape(b, 1, 2 * t)[:, :, order], rtol=1e-5, atol=1e-7)

@@ -44,6 +44,7 @@ import mlx.core as mx
 from attrs.validators import ge, instance_of
 
 from kvcompress import ConfigError, rows_field
+from kvcompress.ops import owner_mask
 from kvcompress_streaming_llm import RopeParams, rope_params
 
 __all__ = ["ExpectedAttentionScorer", "QueryWindow", "averaged_rotation", "DEFAULT_ROPE"]
@@ -131,7 +132,7 @@ class ExpectedAttentionScorer:
     interval: int = attrs.field(default=16, validator=[instance_of(int), ge(0)])
 
     requires: ClassVar[frozenset] = frozenset({"queries", "keys", "values", "positions"})
-    provides: ClassVar[frozenset] = frozenset({"expected_attention"})
+    provides: ClassVar[frozenset] = frozenset({"expected_attention", "head_groups"})
 
     def init_state(self, layer) -> QueryWindow:
         return QueryWindow()
@@ -178,14 +179,17 @@ class ExpectedAttentionScorer:
         if not any(events):
             return scores
         values = None if st.latent else obs.values
-        new = self.expected_scores(q, qpos, obs.keys, values, obs.positions, obs.offset, obs.scale, rope, rot)
+        new = self.expected_scores(q, qpos, obs.keys, values, obs.positions, obs.offset, obs.scale, rope, rot,
+                                   obs.owner, obs.heads_per_row)
         if all(events):
             return new
         return mx.where(mx.array(events).reshape(-1, 1, 1), new, scores)
 
-    def expected_scores(self, q, qpos, keys, values, positions, offset, scale, rope, rot) -> mx.array:
+    def expected_scores(self, q, qpos, keys, values, positions, offset, scale, rope, rot, owner=None,
+                        heads_per_row: int = 1) -> mx.array:
         """``[B, H, T]`` float32 scores of ``keys`` from the window ``q`` ``[B, H_q, w, D]`` at
-        ``qpos`` ``[B, 1, w]``; ``offset`` ``[B, 1, 1]`` the next position; ``rot`` ``A^T``."""
+        ``qpos`` ``[B, 1, w]``; ``offset`` ``[B, 1, 1]`` the next position; ``rot`` ``A^T``. With
+        head groups (``owner``), each slot is scored by its own KV head's query heads only."""
         b, hq, w, d = q.shape
         h, t = keys.shape[1], keys.shape[2]
         g = hq // h
@@ -208,8 +212,12 @@ class ExpectedAttentionScorer:
             fac = future((pre - mu) * wt).reshape(b, h, g, w, d)  # covariance factor
             z = z + (mx.square(fac @ kt).sum(axis=3) / cnt.reshape(b, 1, 1, 1)) * (scale * scale / 2)
         held = (positions >= 0)[:, :, None, :]
+        if owner is not None and heads_per_row > 1:
+            held = held & owner_mask(owner, g, heads_per_row)
         z = mx.where(held, z, -mx.inf)
-        p = mx.softmax(z, axis=-1, precise=True).mean(axis=2)  # [B, H, T]
+        p = mx.where(held, mx.softmax(z, axis=-1, precise=True), 0.0).mean(axis=2)  # [B, H, T]
+        if owner is not None and heads_per_row > 1:
+            p = p * heads_per_row  # the mean over each slot's own query heads
         if self.use_vnorm:  # no values (an MLA latent cache, a hand-built observation): norm 1
             p = p + self.epsilon
             if values is not None:
