@@ -9,7 +9,8 @@ are quantized instead of dropped).
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .quant import KiviQuant, KiviState, kivi_quantize, quantize_keys, quantize_values
+from .quant import KiviQuant
+from .store import KiviState, kivi_quantize, quantize_keys, quantize_values
 
 __all__ = ["KiviQuant", "KiviState", "kivi_quantize", "quantize_keys", "quantize_values"]
 
