@@ -58,7 +58,8 @@ import attrs
 
 from ._contracts import ContractFailure, ContractReport, fail
 from ._contracts.runs import RunSettings, check_method_runs, method_subject, tiny_llama
-from ._contracts.units import UNIT_CHECKS, check_spec
+from ._contracts.unit_kinds import UNIT_CHECKS
+from ._contracts.units import check_spec
 from .components import KINDS, ComponentSpec
 from .errors import KVCompressError
 from .hookspecs import hookimpl
