@@ -426,6 +426,23 @@ def test_pyramid_mean_is_uniform_budget_and_linear(n_layers, budget, window, bet
         assert max(abs(g - r) for g, r in zip(got, real)) < 1.0 + 1e-9
 
 
+@pytest.mark.parametrize("method", ["pyramidkv", "h2o_pyramid", "snapkv_merge"])
+@pytest.mark.parametrize("n_layers", [5, 32])
+@pytest.mark.parametrize("budget", [64, 128, 1024])
+def test_pyramid_defaults_floor_every_layer_at_half_the_mean_prefix(method, n_layers, budget):
+    """The registered pyramids default to beta = 2 (ours): the top layer keeps at least half the
+    mean prefix (held through decode, PyramidKV's beta = 20 leaves a 5-layer model's top layer
+    w + (C - w) / 20 tokens); the paper's beta stays a parameter."""
+    info = kvcompress.ModelInfo(n_layers=n_layers)
+    m = kvcompress.build_method(method, budget=budget)
+    w = m.budget.recent
+    got = m.budget.layer_budgets(info)
+    assert m.budget.beta == 2.0 and sum(got) == n_layers * budget
+    assert min(got) - w >= (budget - w) / 2 - 1 and max(got) - w <= 1.5 * (budget - w) + 1
+    paper = kvcompress.build_method(method, budget=budget, beta=20.0).budget.layer_budgets(info)
+    assert min(paper) < min(got)
+
+
 def test_pyramid_needs_room_past_window_and_sinks():
     with pytest.raises(ConfigError, match="prefix tokens"):
         kvcompress.build_method("h2o_pyramid", budget=8, recent=4, n_sink=4).budget.layer_budgets(

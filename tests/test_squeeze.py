@@ -114,7 +114,7 @@ def test_prompt_similarity_matches_direct_computation_and_sets_budgets(model6):
     budgets = [c.budget for c in cache]
     sel = kvcompress.build_method("squeeze").selector
     min_b = next(b for b in range(1, BUDGET) if sel.reserved(b) < b)  # the smallest evictable budget
-    assert budgets == squeeze_budgets(sims.tolist(), BUDGET, 0.4, min_budget=min_b)
+    assert budgets == squeeze_budgets(sims.tolist(), BUDGET, 0.7, min_budget=min_b)  # the default ratio
     assert sum(budgets) == L * BUDGET
     assert len(set(budgets)) > 1
     assert sims[np.argmax(sims)] == sims[np.asarray(budgets) == min(budgets)].max()

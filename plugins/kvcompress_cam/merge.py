@@ -16,6 +16,14 @@ For each evicted slot ``l`` (per batch, KV head):
   scaled by key similarity, so a dissimilar loser barely perturbs its target and a duplicate of
   equal importance is averaged in; or ``w = 1/2`` (``mean``); window: ``v_t <- v_t + v_l / m`` for each of the m targets (the
   paper's additive rule). Values always; keys only with ``merge_keys``.
+  When several losers ``L_t`` of one step (a prefill chunk) pick the same target, the blend is
+  the same weighted average taken over the target and all of them at once:
+  ``x_t <- x_t + sum_{l in L_t} w_l (x_l - x_t)`` with
+  ``w_l = max(cos(k_l, k_t), 0) * a_l / (a_t + sum_{i in L_t} a_i)`` (``mean``:
+  ``w_l = 1 / (1 + |L_t|)``), so ``x_t`` stays a convex combination however many losers it
+  absorbs; with one loser this is the rule above. (Adding each loser's pairwise
+  ``w_l (x_l - x_t)`` independently would move ``x_t`` by ``sum w_l``, past every loser when
+  the sum exceeds 1.)
 * **mass** (``transfer_mass``): a merged loser's score moves to its target(s) (split evenly over
   a window), as the design note does; off, the target keeps its own score.
 
@@ -260,15 +268,28 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None):
     return target, best, best > -mx.inf
 
 
-def _prominence_share(positions, evict, target, s_l, s_t, off):
-    """``a_l / (a_l + a_t)`` with ``a = A / (offset - pos)``: mean attention per query so far."""
+def _prominence_share(positions, evict, target, s_l, s_t, off, joins=None):
+    """``a_l / (a_t + sum_{i -> t} a_i)`` with ``a = A / (offset - pos)`` (mean attention per
+    query so far), the sum over the losers ``joins`` marks that merge into the same target in
+    this step (``None``: one loser per target, the sum is ``a_l``). With no mass at all, the
+    plain mean: ``1 / (1 + n_t)``."""
     off = off.astype(mx.float32)
     p_l = mx.take_along_axis(positions, evict, axis=-1).astype(mx.float32)
     p_t = mx.take_along_axis(positions, target, axis=-1).astype(mx.float32)
     a_l = mx.maximum(s_l, 0.0) / mx.maximum(off - p_l, 1.0)
     a_t = mx.maximum(s_t, 0.0) / mx.maximum(off - p_t, 1.0)
-    total = a_l + a_t
-    return mx.where(total > 0, a_l / mx.where(total > 0, total, 1.0), 0.5)
+    if joins is None:
+        total, n_t = a_l + a_t, 1.0
+    else:
+        total = a_t + _per_target_sum(target, mx.where(joins, a_l, 0.0), positions.shape[-1])
+        n_t = _per_target_sum(target, joins.astype(mx.float32), positions.shape[-1])
+    return mx.where(total > 0, a_l / mx.where(total > 0, total, 1.0), 1.0 / (1.0 + n_t))
+
+
+def _per_target_sum(target, x, t: int):
+    """``out[b, h, e] = sum_{e' : target[e'] = target[e]} x[b, h, e']``."""
+    acc = _scatter_add(mx.zeros(target.shape[:2] + (t,), mx.float32), target, x.astype(mx.float32))
+    return mx.take_along_axis(acc, target, axis=-1)
 
 
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
@@ -288,11 +309,16 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
         if gate:
             pos_l = mx.take_along_axis(positions, evict, axis=-1)
             do = do & (_uniforms(base, heads, off, pos_l) < gate_probability(s_l, s_t))
+        # Several losers of one step may share a target (prefill): each weight is then taken
+        # against the target and all of them together, so x_t stays a convex combination.
         if merge == "sim_weighted":
-            w = mx.maximum(cos, 0.0) * _prominence_share(positions, evict, target, s_l, s_t, off)
-            do = do & (w > 0)  # w = 0: nothing would move, so it is not counted as a merge
-        else:
+            do = do & (cos > 0)  # w = 0: nothing would move, so it is not counted as a merge
+            w = cos * _prominence_share(positions, evict, target, s_l, s_t, off, None if single else do)
+            do = do & (w > 0)
+        elif single:
             w = mx.full(cos.shape, 0.5)
+        else:
+            w = 1.0 / (1.0 + _per_target_sum(target, do.astype(mx.float32), keys.shape[2]))
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
 
         def blend(x):

@@ -29,9 +29,11 @@ def kvcompress_methods():
             disposition="gated_merge",
             budget="pyramid",
             summary="SnapKV loser merged (CaM gate) into its nearest survivor, pyramid budgets",
+            # beta = 2 (PyramidKV's 20 starves the top layers of shallow models held at budget
+            # through decode; docs/methods/compositions.md)
             params={
                 "budget": 1024, "recent": 32, "kernel": 7, "pooling": "max", "interval": 0,
-                "beta": 20.0, "n_sink": 0, "merge": "sim_weighted", "merge_gate": True,
+                "beta": 2.0, "n_sink": 0, "merge": "sim_weighted", "merge_gate": True,
                 "merge_keys": False, "seed": 0,
             },
             paper=SNAPKV,
@@ -54,8 +56,9 @@ def kvcompress_methods():
             budget="pyramid",
             summary="H2O's cumulative attention mass under PyramidKV's per-layer budgets",
             # H2O's heavy/recent split (as the ``h2o`` method): half of each layer's budget is
-            # the recent window, so the pyramid's own window w is 0.
-            params={"budget": 512, "n_sink": 4, "recent": 0, "recent_ratio": 0.5, "beta": 20.0},
+            # the recent window, so the pyramid's own window w is 0. beta = 2 is ours (PyramidKV's
+            # 20 starves the top layers of shallow models; docs/methods/compositions.md).
+            params={"budget": 512, "n_sink": 4, "recent": 0, "recent_ratio": 0.5, "beta": 2.0},
             paper=H2O,
         ),
     ]

@@ -36,7 +36,9 @@ def kvcompress_methods():
             disposition="drop",
             budget="squeeze",
             summary="SqueezeAttention: H2O inside each layer, layer budgets re-split after the prompt",
-            params={"budget": 512, "n_sink": 4, "recent_ratio": 0.5, "squeeze_ratio": 0.4, "seed": 0},
+            # squeeze_ratio = 0.7 is ours (the paper's configurations give 0.38-0.625; 0.4 is
+            # 1.11x the full cache's perplexity at 4x on stories260K, 0.7 1.04x: docs/methods/squeeze.md)
+            params={"budget": 512, "n_sink": 4, "recent_ratio": 0.5, "squeeze_ratio": 0.7, "seed": 0},
             paper=PAPER,
         )
     ]

@@ -60,9 +60,11 @@ def test_gated_merge_is_rejected_at_build_time():
 
 
 def test_cache_keeps_the_lowest_norm_keys():
-    """Fed token by token, the cache keeps the (budget - 1) lowest-norm old keys + the newest."""
+    """The paper's rule (no sinks, no recent window), fed token by token: the cache keeps the
+    (budget - 1) lowest-norm old keys + the newest."""
     budget, n = 6, 20
-    cache = kvcompress.CompressedKVCache(build_method("knorm", budget=budget), budget)
+    method = build_method("knorm", budget=budget, n_sink=0, recent_ratio=0.0)
+    cache = kvcompress.CompressedKVCache(method, budget)
     k = _keys((1, 2, n, 4), seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no model: key-as-query proxy warning
@@ -73,3 +75,22 @@ def test_cache_keeps_the_lowest_norm_keys():
     for h in range(2):
         old = np.argsort(norms[0, h, : n - 1], kind="stable")[: budget - 1]
         np.testing.assert_array_equal(pos[0, h], np.sort(np.append(old, n - 1)))
+
+
+def test_defaults_keep_sinks_and_the_recent_half():
+    """The method's defaults (ours): 4 sinks and the newest half of the budget stay; the other
+    slots hold the lowest-norm keys among the rest."""
+    budget, n, n_sink = 12, 40, 4
+    method = build_method("knorm", budget=budget)
+    assert (method.selector.n_sink, method.selector.recent_ratio) == (n_sink, 0.5)
+    cache = kvcompress.CompressedKVCache(method, budget)
+    k = _keys((1, 2, n, 4), seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for t in range(n):
+            cache.update_and_fetch(k[:, :, t : t + 1], k[:, :, t : t + 1])
+    pos = np.sort(np.array(cache.state[-3]), axis=-1)
+    for h in range(2):
+        kept = set(pos[0, h].tolist())
+        assert set(range(n_sink)) <= kept and set(range(n - budget // 2, n)) <= kept
+        assert len(kept) == budget
