@@ -139,8 +139,10 @@ def test_main_reports_os_and_value_errors_of_generate_but_not_bugs(monkeypatch, 
 def chat_tokenizer(stories_model, monkeypatch):
     """The stories260K tokenizer with a chat template set on it (it has none of its own)."""
     tok = stories_model[1]
-    monkeypatch.setattr(tok, "chat_template", TEMPLATE)
-    monkeypatch.setattr(tok, "has_chat_template", True)
+    # mlx-lm's TokenizerWrapper forwards these attributes to the tokenizer it wraps: patch that
+    # one, so that undoing the patch restores them on every pytest version
+    monkeypatch.setattr(tok._tokenizer, "chat_template", TEMPLATE)
+    monkeypatch.setattr(tok._tokenizer, "has_chat_template", True)
     return tok
 
 
@@ -181,8 +183,8 @@ def test_generate_continues_a_saved_cache_without_repeating_the_opening(
 ):
     model, tok = stories_model
     if not template:
-        monkeypatch.setattr(tok, "has_chat_template", False)
-        monkeypatch.setattr(tok, "chat_template", None)
+        monkeypatch.setattr(tok._tokenizer, "has_chat_template", False)
+        monkeypatch.setattr(tok._tokenizer, "chat_template", None)
     monkeypatch.setattr(mlx_lm, "load", lambda name: (model, tok))
     prompts = _capture_prompts(monkeypatch)
     saved = tmp_path / "c.safetensors"
