@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
-__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k"]
+__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
 
 #: The logit given to invisible keys: finite, so a query that sees nothing gets no NaN.
 NEG = -3.0e38
@@ -221,7 +221,7 @@ def owner_mask(owner: mx.array, group: int, heads_per_row: int) -> mx.array:
     return owner[:, :, None, :] == mine.reshape(1, 1, group, 1)
 
 
-def _sortable(x: mx.array) -> mx.array:
+def sortable_bits(x: mx.array) -> mx.array:
     """float32 -> uint32 whose unsigned order is the float order (-inf < ... < +inf)."""
     u = x.astype(mx.float32).view(mx.uint32)
     neg = (u >> 31).astype(mx.bool_)
@@ -239,7 +239,7 @@ def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False) 
         low = key.min(axis=-1, keepdims=True)
         big = mx.array(2**31 - 1, positions.dtype)
         return mx.argmin(mx.where(key <= low, positions, big), axis=-1, keepdims=True).astype(mx.int32)
-    comp = (_sortable(key).astype(mx.uint64) << 32) | (
+    comp = (sortable_bits(key).astype(mx.uint64) << 32) | (
         (positions.astype(mx.int64) + 2**31).astype(mx.uint64)
     )
     if k >= key.shape[-1]:

@@ -25,10 +25,11 @@ from typing import ClassVar
 
 import attrs
 import mlx.core as mx
-from attrs.validators import ge, instance_of, le, lt
+from attrs.validators import ge, instance_of, le
 
 from kvcompress import ConfigError
-from kvcompress.ops import lowest_k
+from kvcompress.ops import lowest_k, sortable_bits
+from kvcompress_basic.selectors import LowestScoreSelector
 
 __all__ = ["AdaptiveSelector", "head_ranks"]
 
@@ -38,11 +39,8 @@ def head_ranks(scores: mx.array, owner: mx.array, g: int) -> mx.array:
     the row (empty slots, owner -1, rank after every real slot)."""
     t = scores.shape[-1]
     # sort by (owner, -score): each head's slots contiguous, best first
-    u = (-scores.astype(mx.float32)).view(mx.uint32)
-    neg = (u >> 31).astype(mx.bool_)
-    sortable = mx.where(neg, ~u, u | mx.array(0x80000000, mx.uint32))
     own = mx.where(owner >= 0, owner, g).astype(mx.uint64)
-    order = mx.argsort((own << 32) | sortable.astype(mx.uint64), axis=-1)
+    order = mx.argsort((own << 32) | sortable_bits(-scores.astype(mx.float32)).astype(mx.uint64), axis=-1)
     rank_sorted = mx.argsort(order, axis=-1).astype(mx.int32)  # where each slot landed
     counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)  # [B, R, g]
     start = mx.concatenate([mx.zeros(counts.shape[:-1] + (1,), mx.int32), mx.cumsum(counts, axis=-1)], axis=-1)
@@ -51,13 +49,12 @@ def head_ranks(scores: mx.array, owner: mx.array, g: int) -> mx.array:
 
 
 @attrs.frozen
-class AdaptiveSelector:
-    """Evict the lowest-score slots of a head group's row; every head keeps its sinks, its
-    ``max(recent, floor(recent_ratio * C))`` most recent tokens and ``ceil(alpha * C)`` best."""
+class AdaptiveSelector(LowestScoreSelector):
+    """Evict the lowest-score slots of a head group's row; every head keeps what the ``lowest``
+    selector protects (its sinks and its ``max(recent, floor(recent_ratio * C))`` most recent
+    tokens) and its ``ceil(alpha * C)`` best."""
 
     n_sink: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
-    recent: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
-    recent_ratio: float = attrs.field(default=0.0, converter=float, validator=[ge(0.0), lt(1.0)])
     alpha: float = attrs.field(default=0.2, converter=float, validator=[ge(0.0), le(1.0)])
     heads: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
 
@@ -78,11 +75,6 @@ class AdaptiveSelector:
             raise ConfigError(f"adaptive heads={self.heads} must divide the layer's {n_kv_heads} KV heads")
         return self.heads
 
-    def _window(self, budget):
-        if isinstance(budget, mx.array):
-            return mx.maximum(self.recent, mx.floor(budget.astype(mx.float32) * self.recent_ratio).astype(mx.int32))
-        return max(self.recent, int(self.recent_ratio * budget))
-
     def _floor(self, budget):
         """Each head's own best kept: ``ceil(alpha x C)``, below ``C`` so a full head can evict."""
         if isinstance(budget, mx.array):
@@ -91,14 +83,7 @@ class AdaptiveSelector:
 
     def reserved(self, budget: int) -> int:
         # the floor counts a head's protected tokens first (they rank best), so they overlap
-        return max(self.n_sink + self._window(budget), self._floor(budget))
-
-    def protected(self, positions: mx.array, offset: mx.array, budget) -> mx.array:
-        keep = positions < self.n_sink
-        r = self._window(budget)
-        if isinstance(r, mx.array) or r:
-            keep = keep | (positions >= offset - r)
-        return keep
+        return max(super().reserved(budget), self._floor(budget))
 
     def select(self, sel) -> mx.array:
         protected = sel.protected
