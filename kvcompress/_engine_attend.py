@@ -46,11 +46,14 @@ class _AttendMixin:
         attend = self._hooks["disposition"].get("attend")
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
-        if n > 1 and sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
-            # A compressing chunk: one softmax gives both the output and the scorer's mass.
+        if sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
+            # A compressing step (a chunk, or a decode step once tokens leave): one softmax
+            # gives both the output and the scorer's mass. Below budget the cache attends
+            # exactly as mlx-lm's KVCache does (its fused attention, in the cache's dtype).
             _, valid, _ = self._pending
+            plain = n == 1 and own is None  # one query seeing every slot: no mask at all
             out, self._step_mass = ops.attention(
-                queries, keys, values, scale, self._pos, self._qpos(n),
+                queries, keys, values, scale, None if plain else self._pos, None if plain else self._qpos(n),
                 query_weight=self._query_weight(valid, n), mass="group", bias=bias,
             )
             return out

@@ -255,8 +255,8 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None):
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
     cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     invalid = positions < n_sink  # sinks, and empty slots (position -1)
-    if evict.shape[-1] == 1:
-        invalid = mx.put_along_axis(invalid, evict, mx.array(True), axis=-1)
+    if evict.shape[-1] == 1:  # one loser: an element-wise compare (fuses), not a scatter
+        invalid = invalid | (mx.arange(t, dtype=mx.int32) == evict)
     else:
         invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
     invalid = invalid[:, :, None, :]
