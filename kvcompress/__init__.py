@@ -9,7 +9,7 @@ Three lines from a loaded model to a compressed generation::
 """
 
 from . import ops
-from ._state import rows_field
+from ._state import derived_field, rows_field
 from .batch_cache import BatchCompressedKVCache
 from .cache import CompressedKVCache
 from .components import Budget, ComponentSpec, Disposition, MethodSpec, Scorer, Selector
@@ -66,5 +66,6 @@ __all__ = [
     "model_info",
     "ops",
     "rows_field",
+    "derived_field",
     "save_prompt_cache",
 ]

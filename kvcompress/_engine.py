@@ -90,6 +90,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._io_input = None  # the layer's input during a prompt's first forward
         self._last_valid: list = []
         self._last_slots = None
+        self._written: Optional[tuple] = None  # (keys, slots written since the last eviction)
         self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
         self._off_cache: tuple = (None, None)
         self._attn_keys = self._bias = None
@@ -286,14 +287,25 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
             keys=k, values=v, scores=self._score, positions=pos, evict=slots, protected=protected,
             offset=off, offsets=offs, layer=self.info, counts=tuple(counts), draw_id=self._rounds, real=real,
             state=self._states["disposition"], group=self.group, owner=owner, heads_per_row=self._g,
+            written=self._written_slots(),
         )
         k, v, self._score = self.method.disposition.dispose(ev)
         self._states["disposition"] = ev.state
         self.keys, self.values = k, v
+        self._written = (k, [])
         self._rounds += 1
         self._rows_n = [n - c for n, c in zip(self._rows_n, counts)]
         self._rows_evicted = [t + c for t, c in zip(self._rows_evicted, counts)]
         return (slots, real)
+
+    def _written_slots(self):
+        """The slots written since the last eviction, if those are all that changed (else None)."""
+        w = self._written
+        if w is None or w[0] is not self.keys:
+            return None
+        if not w[1]:
+            return mx.zeros(self._pos.shape[:2] + (0,), mx.int32)
+        return w[1][0] if len(w[1]) == 1 else mx.concatenate(w[1], axis=-1)
 
     def _mark_freed(self, slots: mx.array, real) -> None:
         """Freed slots become empty (position -1)."""
@@ -316,6 +328,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
                 ar = mx.arange(self._n, dtype=mx.int32)
                 slot = mx.argsort(mx.where(self._pos < 0, ar, ar + self._n), axis=-1)[..., :g].astype(mx.int32)
         idx = slot[..., None]
+        chain = self._written is not None and self._written[0] is self.keys and len(self._written[1]) < 8
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, (b, h, g, keys.shape[-1])), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, (b, h, g, values.shape[-1])), values, axis=2)
         pos = self._new_positions(valid, 1, b, h)
@@ -323,6 +336,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._score = mx.put_along_axis(self._score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
         self._rows_n = [n + g * x for n, x in zip(self._rows_n, valid)]
         self._last_slots = slot
+        self._written = (self.keys, self._written[1] + [slot]) if chain else None
 
     def _new_positions(self, valid: list, S: int, b: int, h: int) -> mx.array:
         """Positions of a step's tokens before the offsets advance (-1 for padding), ``g`` slots
@@ -376,6 +390,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
             else:
                 self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
                 self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        self._written = None  # (the slice update below keeps the array object)
         self.keys[..., prev : prev + S, :] = keys
         self.values[..., prev : prev + S, :] = values
         self._pos = mx.concatenate([self._pos, self._new_positions(valid, tokens, b, h)], axis=2)
@@ -383,33 +398,3 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         self._n = prev + S
         self._rows_n = [n + self._g * x for n, x in zip(self._rows_n, valid)]
         self._last_slots = None
-
-    # ----------------------------------------------------------------------------------------
-    # Attention and observation (called by the scaled_dot_product_attention wrapper)
-    # ----------------------------------------------------------------------------------------
-
-    def _check_input(self, keys, values):
-        if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
-            raise TypeError("update_and_fetch expects mx.array keys and values")
-        if keys.ndim != 4 or values.ndim != 4:
-            raise ValueError(f"keys/values must be [B, H_kv, S, D]; got shapes {keys.shape} and {values.shape}")
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on [B, H_kv, S]")
-        if not mx.issubdtype(keys.dtype, mx.floating) or keys.dtype != values.dtype:
-            raise TypeError(f"keys/values must share a floating dtype; got {keys.dtype}, {values.dtype}")
-        if self._rows_n and keys.shape[0] != len(self._rows_n):
-            raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows_n)}")
-        if self.keys is not None:
-            if keys.shape[1] != self.keys.shape[1] * max(self._g, 1) or keys.shape[3] != self.keys.shape[3] or (
-                values.shape[3] != self.values.shape[3]
-            ):
-                raise ValueError(
-                    f"keys {keys.shape} do not match the cache's [B, H_kv, *, D] = "
-                    f"{self.keys.shape[:2] + (self.keys.shape[3],)}"
-                )
-            if keys.dtype != self.keys.dtype:
-                raise TypeError(f"keys dtype {keys.dtype} does not match the cache's {self.keys.dtype}")
-
-    # ----------------------------------------------------------------------------------------
-    # Layer input/output (budgets that require "layer_io")
-    # ----------------------------------------------------------------------------------------

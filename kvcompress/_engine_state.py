@@ -1,4 +1,4 @@
-"""The engine's trimming, ``state`` (mlx-lm protocol), memory and diagnostics."""
+"""The engine's input checks, trimming, ``state`` (mlx-lm protocol), memory and diagnostics."""
 
 from __future__ import annotations
 
@@ -14,6 +14,28 @@ _STATE_VERSION = 2
 
 
 class _StateMixin:
+    def _check_input(self, keys, values):
+        if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
+            raise TypeError("update_and_fetch expects mx.array keys and values")
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(f"keys/values must be [B, H_kv, S, D]; got shapes {keys.shape} and {values.shape}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on [B, H_kv, S]")
+        if not mx.issubdtype(keys.dtype, mx.floating) or keys.dtype != values.dtype:
+            raise TypeError(f"keys/values must share a floating dtype; got {keys.dtype}, {values.dtype}")
+        if self._rows_n and keys.shape[0] != len(self._rows_n):
+            raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows_n)}")
+        if self.keys is not None:
+            if keys.shape[1] != self.keys.shape[1] * max(self._g, 1) or keys.shape[3] != self.keys.shape[3] or (
+                values.shape[3] != self.values.shape[3]
+            ):
+                raise ValueError(
+                    f"keys {keys.shape} do not match the cache's [B, H_kv, *, D] = "
+                    f"{self.keys.shape[:2] + (self.keys.shape[3],)}"
+                )
+            if keys.dtype != self.keys.dtype:
+                raise TypeError(f"keys dtype {keys.dtype} does not match the cache's {self.keys.dtype}")
+
     def is_trimmable(self) -> bool:
         """True: the last step's tokens can always be trimmed exactly (see :meth:`trim`)."""
         return True
@@ -191,7 +213,8 @@ class _StateMixin:
     @property
     def nbytes(self) -> int:
         """Bytes of every array the cache holds (key/value buffers, positions, scores, states)."""
-        extra = sum(a.nbytes for kind in self._states for a in _state.flatten_state(self._states[kind])[1])
+        extra = sum(a.nbytes for st in self._states.values()
+                    for a in _state.flatten_state(st)[1] + _state.derived_arrays(st))
         if self.keys is None:
             return extra
         return self.keys.nbytes + self.values.nbytes + self._pos.nbytes + self._score.nbytes + extra

@@ -3,8 +3,11 @@
 A component's state (from its ``init_state`` hook) is an attrs instance whose fields are
 annotated arrays, scalars or nested attrs classes. Fields declared with :func:`rows_field` hold
 one entry per batch row along axis 0; the cache indexes and concatenates them when rows are
-extracted, filtered or merged. Everything else is shared by all rows. cattrs turns a state into
-JSON-able metadata plus a list of arrays (the arrays go into ``cache.state``), and back.
+extracted, filtered or merged. Fields declared with :func:`derived_field` hold what a component
+worked out from the stored slots (e.g. key norms): they are neither saved nor carried through
+batch edits (reset to None), and the component recomputes them. Everything else is shared by
+all rows. cattrs turns a state into JSON-able metadata plus a list of arrays (the arrays go
+into ``cache.state``), and back.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import mlx.core as mx
 
 from .errors import ConfigError
 
-__all__ = ["rows_field", "take_rows", "stack_rows", "flatten_state", "restore_state", "snapshot"]
+__all__ = ["rows_field", "derived_field", "take_rows", "stack_rows", "flatten_state", "restore_state", "snapshot"]
 
 _ROWS = "kvcompress_rows"
+_DERIVED = "kvcompress_derived"
 
 
 def rows_field(fill: float = 0, **kwargs) -> Any:
@@ -35,6 +39,28 @@ def rows_field(fill: float = 0, **kwargs) -> Any:
     metadata = dict(kwargs.pop("metadata", {}) or {})
     metadata[_ROWS] = fill
     return attrs.field(metadata=metadata, **kwargs)
+
+
+def derived_field(**kwargs) -> Any:
+    """An attrs field (default ``None``) holding data derived from the stored slots, kept only
+    to save recomputing it: not saved with the cache and reset to None by batch-row edits."""
+    kwargs.setdefault("default", None)
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata[_DERIVED] = True
+    return attrs.field(metadata=metadata, **kwargs)
+
+
+def derived_arrays(state) -> list:
+    """The arrays a state holds in derived fields (held memory that is not saved)."""
+    if state is None or not attrs.has(type(state)):
+        return []
+    return [getattr(state, f.name) for f in attrs.fields(type(state))
+            if _DERIVED in f.metadata and isinstance(getattr(state, f.name), mx.array)]
+
+
+def _without_derived(state):
+    names = [f.name for f in attrs.fields(type(state)) if _DERIVED in f.metadata]
+    return attrs.evolve(state, **{n: None for n in names}) if names else state
 
 
 def _rows_fields(state) -> list:
@@ -54,7 +80,7 @@ def take_rows(component, hooks: dict, state, rows: list):
         return hooks["take_rows"](state, rows)
     idx = mx.array(rows, dtype=mx.int32)
     changes = {f.name: getattr(state, f.name)[idx] for f in _rows_fields(state) if getattr(state, f.name) is not None}
-    return attrs.evolve(state, **changes) if changes else copy.copy(state)
+    return _without_derived(attrs.evolve(state, **changes) if changes else copy.copy(state))
 
 
 def stack_rows(component, hooks: dict, states: list, rows: list):
@@ -80,7 +106,7 @@ def stack_rows(component, hooks: dict, states: list, rows: list):
         fill = f.metadata[_ROWS]
         parts = [p if p is not None else mx.full((n,) + like.shape[1:], fill, like.dtype) for p, n in zip(parts, rows)]
         changes[f.name] = mx.concatenate(parts, axis=0)
-    return attrs.evolve(first, **changes)
+    return _without_derived(attrs.evolve(first, **changes))
 
 
 # ------------------------------------------------------------------------------------------
@@ -112,7 +138,7 @@ def flatten_state(state) -> tuple[Optional[dict], list]:
     arrays: list = []
     token = _ARRAYS.set(arrays)
     try:
-        body = _conv.unstructure(state)
+        body = _conv.unstructure(_without_derived(state) if attrs.has(type(state)) else state)
     finally:
         _ARRAYS.reset(token)
     cls = type(state)

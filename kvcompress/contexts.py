@@ -163,7 +163,10 @@ class Eviction:
     them; a row that frees fewer slots than others has entries to ignore); ``protected`` the
     selector's never-evict mask (empty slots included). ``counts`` the real entries per row (host
     ints). ``draw_id`` counts this layer's eviction rounds. ``state`` is the disposition's own
-    state (mutate or replace it).
+    state (mutate or replace it). ``written`` ``[B, H, W]`` int32: when the cache knows them, the
+    only slots whose keys/values changed since its previous eviction (the decode tokens written
+    since), so that what a disposition derived from the stored keys then (e.g. their norms) only
+    needs those slots redone; None: anything may have changed (a chunk, a load, a batch edit).
     """
 
     keys: mx.array
@@ -183,3 +186,4 @@ class Eviction:
     #: head groups: the head of each slot within its row (merge only within a head), or None
     owner: Optional[mx.array] = None
     heads_per_row: int = 1
+    written: Optional[mx.array] = None

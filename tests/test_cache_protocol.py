@@ -32,7 +32,7 @@ import kvcompress
 import kvcompress._engine_attend as kvc_engine
 from conftest import assert_step_accounting, make_caches, tiny_llama
 from kvcompress import CompressedKVCache, ConfigError, KVCompressError
-from kvcompress._state import flatten_state
+from kvcompress._state import derived_arrays, flatten_state
 
 METHODS = sorted(kvcompress.get_registry().methods)
 
@@ -97,7 +97,8 @@ def assert_nbytes_honest(c) -> None:
     hold is among the counted bytes."""
     own = sum(a.nbytes for k, a in vars(c).items()
               if isinstance(a, mx.array) and a.ndim > 0 and k not in _BOOKKEEPING)
-    declared = sum(a.nbytes for a in component_state_arrays(c))
+    held = component_state_arrays(c) + [a for st in c._states.values() for a in derived_arrays(st)]
+    declared = sum(a.nbytes for a in held)  # saved state, and what components derived (not saved)
     assert c.nbytes == own + declared
     assert sum(a.nbytes for st in c._states.values() for a in _walk_arrays(st)) <= declared
 
@@ -215,6 +216,7 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
         k, v = c.keys_and_values()
         per_slot = (k.nbytes + v.nbytes) // c.budget + 2 * 4 * k.shape[0] * k.shape[1]  # + pos + score
         extra = sum(a.nbytes for a in component_state_arrays(c))
+        extra += sum(a.nbytes for st in c._states.values() for a in derived_arrays(st))
         assert steady[0] == per_slot * c.budget + extra
 
 

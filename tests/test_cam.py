@@ -728,7 +728,8 @@ def test_byte_accounting(models):
         b, h, buf, d = c.keys.shape
         per_slot_kv = (c.keys.itemsize + c.values.itemsize) * d  # bytes of one K+V row
         counter = b * h * 4  # the merge counter: int32 per row and KV head
-        assert c.nbytes == b * h * (buf * per_slot_kv + c.size() * (4 + 4)) + counter  # + int32 pos, f32 score
+        # + int32 pos, f32 score, f32 key norm (kept between decode merges) per slot
+        assert c.nbytes == b * h * (buf * per_slot_kv + c.size() * (4 + 4 + 4)) + counter
         assert buf <= c.budget + c.step
         assert c.nbytes == nb  # bounded: no growth while decoding at budget
         d = c.diagnostics
@@ -737,8 +738,8 @@ def test_byte_accounting(models):
         # mlx-lm's KVCache holds the tokens seen in 256-token steps
         full = -(-c.offset // 256) * 256 * h * per_slot_kv * b
         assert d["compression_bytes"] == pytest.approx(full / c.nbytes)
-    # Merging costs no memory beyond its counter: the bytes of dropping at the same budget.
-    assert before == [c.nbytes + c.keys.shape[0] * c.keys.shape[1] * 4 for c in caches["h2o"]]
+    # Merging costs its counter and one float32 key norm per slot beyond dropping at the same budget.
+    assert before == [c.nbytes + c.keys.shape[0] * c.keys.shape[1] * (4 + 4 * c.size()) for c in caches["h2o"]]
 
 
 def test_kvcachebuilder_for_model_design_note_diagnostics(models):
@@ -849,7 +850,7 @@ def test_compiled_decode_merge_equals_the_eager_one(merge, dtype, monkeypatch):
         ev = make_ev(keys, values, scores, evict, layer=3, draw_id=11, offset=300)
         *arrays, n = dispose(gm, ev)
         outs.append([np_(x) for x in arrays] + [n])
-        fn = merge_mod._FNS[(merge, True, True, 4, True, True)]  # the decode function in use
+        fn = merge_mod._FNS[(merge, True, True, 4, True, True, False, False)]  # the decode function in use
         assert (type(fn).__name__ == "_gc_func") == compiled  # mx.compile's wrapper type
     (kc, vc, sc, nc), (ke, ve, se, ne) = outs
     assert int(nc) == int(ne) > 0
@@ -915,3 +916,71 @@ def test_one_step_compression_is_no_worse_than_h2o_on_stories(stories_model, sto
         cache = kvcompress.make_prompt_cache(model, name, budget=64)
         nll[name] = float(ppl_mod.window_nll(model, windows, cache, prefill=448).mean())
     assert nll["cam"] <= nll["h2o"] + 0.002, nll
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, monkeypatch):
+    """A decode merge reuses the key norms of the previous eviction for every slot the cache did
+    not write since (``Eviction.written``); through chunks, decode steps, a trimmed step and a
+    deep copy it picks the targets and produces the logits of computing every norm afresh."""
+    import copy
+
+    from kvcompress import _engine
+
+    model = models["gqa"]
+    seen = []
+    real_dispose = GatedMerge.dispose
+
+    def spy(self, ev):
+        seen.append(ev.written is not None and isinstance(ev.state, MergeState) and ev.state.norms is not None)
+        return real_dispose(self, ev)
+
+    monkeypatch.setattr(GatedMerge, "dispose", spy)
+
+    def drive(fresh: bool):
+        if fresh:  # the cache never says which slots it wrote: every norm is computed
+            monkeypatch.setattr(_engine._Engine, "_written_slots", lambda self: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(GatedMerge, "dispose", spy)
+        caches = make_prompt_cache(model, "cam", budget=16)
+        out = run(model, caches, batch=batch, n_prompt=40, n_decode=10, chunk=8, seed=3)
+        tok = mx.argmax(out[-1][:, -1:], axis=-1)
+        model(tok, cache=caches)
+        for c in caches:  # a decode step taken back: its slot is freed, then reused
+            c.trim(1)
+        out += run(model, caches, batch=batch, n_prompt=1, n_decode=6, seed=4)
+        twin = copy.deepcopy(caches)
+        out += run(model, twin, batch=batch, n_prompt=1, n_decode=6, seed=5)
+        return [np.array(x) for x in out], twin
+
+    del seen[:]
+    got, a = drive(fresh=False)
+    reused = sum(seen)
+    want, b = drive(fresh=True)
+    assert reused >= 20  # the decode steps really reused norms
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+        assert (x.argmax(-1) == y.argmax(-1)).all()
+    for ca, cb in zip(a, b):
+        assert merges(ca) == merges(cb)
+        np.testing.assert_allclose(np.array(ca.values), np.array(cb.values), atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), layer=st.integers(0, 200), head0=st.integers(0, 64),
+       h=st.integers(1, 8), offsets=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=4))
+def test_host_draw_keys_equal_the_device_hash(seed, layer, head0, h, offsets):
+    """The decode merge hashes (seed, layer, head, offset) on the host: the same bits as the
+    device hash that :func:`gate_uniforms` uses, so every gate draw is unchanged."""
+    from kvcompress_cam import draws as mm
+
+    base = mm._seed_base(seed, layer)
+    host = mm._host_draw_keys(base, tuple(range(head0, head0 + h)), tuple(offsets))
+    heads = mx.arange(head0, head0 + h, dtype=mx.uint32).reshape(1, h, 1)
+    offs = mx.array(offsets, dtype=mx.uint32).reshape(-1, 1, 1)
+    device = mm._draw_keys(mx.array(base, mx.uint32), heads, offs)
+    assert host.shape == (len(offsets), h, 1)
+    assert mx.array_equal(host, device).item()
+    pos = mx.array(offsets, dtype=mx.int32).reshape(-1, 1, 1) // 3
+    assert mx.array_equal(mm._draws(host, pos), gate_uniforms(seed, layer, heads, offs, pos)).item()

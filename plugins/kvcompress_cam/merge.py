@@ -34,9 +34,13 @@ slots (position ``-1``) and sinks are never targets. Merges are counted per row 
 disposition's state (``diagnostics``: merges per KV head, per row).
 
 A decode step (one loser per row) runs the nearest-target merge as one ``mx.compile``d
-function of the arrays (compiled once per shape and configuration; seeds, offsets and head ids
-enter as arrays, so they never trigger a retrace): the same operations, fused.
-``KVCOMPRESS_NO_COMPILE=1`` runs them eagerly.
+function of the arrays (compiled once per shape and configuration; offsets and draw keys enter
+as arrays, so they never trigger a retrace): the same operations, fused.
+``KVCOMPRESS_NO_COMPILE=1`` runs them eagerly. Two things in it are not the merge and are kept
+off the device's per-step work: the (seed, layer, head, offset) part of each draw is hashed on
+the host (the same bits), and the key norms ``|k_j|`` of the cosine are reused from the last
+eviction (``MergeState.norms``, a derived field: not saved) for every slot the cache did not
+write since (``Eviction.written``), so a step computes one norm per row and head, not ``T``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ import attrs
 import mlx.core as mx
 from attrs.validators import ge, in_, instance_of
 
-from kvcompress import rows_field
+from kvcompress import derived_field, rows_field
+
+from .draws import _draw_keys, _draws, _host_draw_keys, _seed_base, _u32, bernoulli_gate, gate_uniforms
 
 __all__ = ["GatedMerge", "MergeState", "gate_probability", "bernoulli_gate", "gate_uniforms"]
 
@@ -57,47 +63,6 @@ def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
     """Eq. 14: ``clamp(A_l / A_t, 0, 1)``; a non-positive target gives 1 iff ``A_l >= A_t``."""
     ratio = loser_score / mx.where(target_score > 0, target_score, 1.0)
     return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))
-
-
-def _mix32(x: mx.array) -> mx.array:
-    """A 32-bit integer hash (the "lowbias32" finalizer): uniform bits from consecutive inputs."""
-    u32 = mx.uint32
-    x = x ^ (x >> 16)
-    x = x * mx.array(0x7FEB352D, u32)
-    x = x ^ (x >> 15)
-    x = x * mx.array(0x846CA68B, u32)
-    return x ^ (x >> 16)
-
-
-def _seed_base(seed: int, layer: int) -> int:
-    return (seed * 0x9E3779B1 + layer * 0x85EBCA77 + 0x27D4EB2F) & 0xFFFFFFFF
-
-
-def _u32(x) -> mx.array:
-    return (x if isinstance(x, mx.array) else mx.array(x)).astype(mx.uint32)
-
-
-def _uniforms(base: mx.array, heads: mx.array, offset: mx.array, pos: mx.array) -> mx.array:
-    """Uniforms in [0, 1) from the uint32 hash of (base, head, offset, loser position)."""
-    h = _mix32(base ^ _mix32(_u32(heads) * mx.array(0x9E3779B1, mx.uint32) + mx.array(0x68E31DA4, mx.uint32)))
-    h = _mix32(h ^ (_u32(offset) * mx.array(0x85EBCA77, mx.uint32)))
-    bits = _mix32(h ^ (_u32(pos) * mx.array(0xC2B2AE3D, mx.uint32) + mx.array(0x165667B1, mx.uint32)))
-    return (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24))
-
-
-def gate_uniforms(seed: int, layer: int, heads, offset, positions) -> mx.array:
-    """Uniforms in [0, 1) indexed by (seed, global layer, global KV head, tokens seen, position).
-
-    ``heads`` ``[1, H, 1]``, ``offset`` ``[B, 1, 1]`` and ``positions`` ``[B, H, E]`` broadcast to
-    the result's shape. Each value depends only on its own indices, never on the batch, the slot
-    order or ``mx.random``'s global state.
-    """
-    return _uniforms(mx.array(_seed_base(seed, layer), mx.uint32), heads, offset, positions)
-
-
-def bernoulli_gate(p: mx.array, seed: int, layer: int, heads, offset, positions) -> mx.array:
-    """``merge ~ Bernoulli(p)`` with :func:`gate_uniforms` draws."""
-    return gate_uniforms(seed, layer, heads, offset, positions) < p
 
 
 def _evicted_mask(evict: mx.array, t: int, real: Optional[mx.array] = None) -> mx.array:
@@ -117,9 +82,12 @@ def _scatter_add(x: mx.array, idx: mx.array, delta: mx.array) -> mx.array:
 
 @attrs.define
 class MergeState:
-    """Merges done so far, per batch row and KV head (``[B, H]`` int32)."""
+    """Merges done so far, per batch row and KV head (``[B, H]`` int32); ``norms``: the stored
+    keys' norms ``[B, H, T]`` float32 as of the last decode eviction (reused for the slots the
+    cache did not write since, :attr:`kvcompress.Eviction.written`; None: none kept)."""
 
     merges: Optional[mx.array] = rows_field()
+    norms: Optional[mx.array] = derived_field()
 
 
 @attrs.frozen
@@ -153,39 +121,51 @@ class GatedMerge:
         if self.merge == "drop":
             return ev.keys, ev.values, ev.scores
         fn = self._merge_nearest if self.target == "nearest" else self._merge_window
-        keys, values, scores, done = fn(ev)
+        keys, values, scores, done, norms = fn(ev)
         if isinstance(ev.state, MergeState):
             m = done if ev.state.merges is None else ev.state.merges + done
             if ev.draw_id % 128 == 127:  # keep the lazy counter's graph from growing unbounded
                 mx.async_eval(m)
-            ev.state = attrs.evolve(ev.state, merges=m)
+            ev.state = attrs.evolve(ev.state, merges=m, norms=norms)
         return keys, values, scores
 
-    def _draw_inputs(self, ev):
+    def _draw_inputs(self, ev) -> mx.array:
+        """:func:`_draw_keys` ``[B, H, 1 | E]`` of each loser's row and KV head (on the host
+        when the heads are known there; the same bits as on the device)."""
         b, h = ev.evict.shape[:2]
-        base = mx.array(_seed_base(self.seed, ev.layer.layer), mx.uint32)
+        base = _seed_base(self.seed, ev.layer.layer)
+        if ev.owner is None and len(ev.offsets) == b:
+            heads = tuple(range(ev.layer.head_offset, ev.layer.head_offset + h))
+            return _host_draw_keys(base, heads, tuple(int(o) & 0xFFFFFFFF for o in ev.offsets))
         if ev.owner is None:
-            return base, ev.layer.head_ids(h), ev.offset
-        # head groups: the loser's own KV head (row * heads per row + its owner), globally
-        row = mx.arange(h, dtype=mx.int32).reshape(1, h, 1) * ev.heads_per_row
-        heads = ev.layer.head_offset + row + mx.take_along_axis(ev.owner, ev.evict, axis=-1)
-        return base, heads.astype(mx.uint32), ev.offset
+            heads = ev.layer.head_ids(h)
+        else:  # head groups: the loser's own KV head (row * heads per row + its owner), globally
+            row = mx.arange(h, dtype=mx.int32).reshape(1, h, 1) * ev.heads_per_row
+            heads = (ev.layer.head_offset + row + mx.take_along_axis(ev.owner, ev.evict, axis=-1)).astype(mx.uint32)
+        return _draw_keys(mx.array(base, mx.uint32), heads, _u32(ev.offset))
 
     # -- the design note's rule: one most-similar survivor ---------------------------------
 
     def nearest_target(self, keys, positions, evict, real=None, owner=None):
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
-        return _nearest_target(keys, positions, evict, self.n_sink, real, owner)
+        return _nearest_target(keys, positions, evict, self.n_sink, real, owner)[:3]
 
     def _merge_nearest(self, ev):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
         grouped = ev.owner is not None
+        # decode: the key norms of the last eviction, redone only for the slots written since
+        # (unless merged keys change them); None: every norm computed afresh
+        prev = ev.state.norms if isinstance(ev.state, MergeState) else None
+        reuse = single and not self.merge_keys and ev.written is not None and prev is not None and (
+            prev.shape == ev.positions.shape)
         fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single,
-                               grouped)
+                               grouped, reuse)
         real = ev.real if ev.real is not None else mx.array(True)
-        base, heads, off = self._draw_inputs(ev)
         owner = ev.owner if grouped else ev.positions  # (unused without head groups)
-        return fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, off, base, heads, owner)
+        norms = (prev, ev.written) if reuse else (ev.scores, ev.evict)  # (unused without reuse)
+        *out, norms = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, ev.offset, self._draw_inputs(ev),
+                         owner, *norms)
+        return (*out, norms if single and not self.merge_keys else None)
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
@@ -220,9 +200,8 @@ class GatedMerge:
         if ev.real is not None:
             do = do & ev.real
         if self.merge_gate:
-            base, heads, off = self._draw_inputs(ev)
             pos_l = mx.take_along_axis(ev.positions, ev.evict, axis=-1)
-            do = do & (_uniforms(base, heads, off, pos_l) < gate_probability(s_l, mean_t))
+            do = do & (_draws(self._draw_inputs(ev), pos_l) < gate_probability(s_l, mean_t))
         share = mx.where(valid & do[..., None], 1.0 / mx.maximum(count, 1.0)[..., None], 0.0)  # [B,H,E,m]
 
         def add(x):
@@ -234,9 +213,9 @@ class GatedMerge:
         keys = add(ev.keys) if self.merge_keys else ev.keys
         done = do.astype(mx.int32).sum(axis=-1)
         if not self.transfer_mass:
-            return keys, values, ev.scores, done
+            return keys, values, ev.scores, done, None
         scores = _scatter_add(ev.scores, flat_t, (share * s_l[..., None]).reshape(b, h, e * m))
-        return keys, values, scores, done
+        return keys, values, scores, done, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,16 +226,23 @@ _COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
 _FNS: dict = {}
 
 
-def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None):
+def _key_norms(keys) -> mx.array:
+    """``|k_j|`` ``[..., T]`` float32 of keys ``[..., T, D]``."""
+    return mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))
+
+
+def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, norms=None):
+    """``(target, cos, has_target, norms)`` (``norms``: every slot's key norm, given or computed)."""
     t = keys.shape[2]
     kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
     dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
-    norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))  # [B,H,T]
+    if norms is None:
+        norms = _key_norms(keys)  # [B,H,T]
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
     cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     invalid = positions < n_sink  # sinks, and empty slots (position -1)
-    if evict.shape[-1] == 1:  # one loser: an element-wise compare (fuses), not a scatter
-        invalid = invalid | (mx.arange(t, dtype=mx.int32) == evict)
+    if evict.shape[-1] == 1:  # one loser: its position (unique in its head), an element-wise compare
+        invalid = invalid | (positions == mx.take_along_axis(positions, evict, axis=-1))
     else:
         invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
     invalid = invalid[:, :, None, :]
@@ -264,8 +250,8 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None):
         invalid = invalid | (owner[:, :, None, :] != mx.take_along_axis(owner, evict, axis=-1)[..., None])
     cos = mx.where(invalid, -mx.inf, cos)
     target = mx.argmax(cos, axis=-1).astype(mx.int32)
-    best = mx.take_along_axis(cos, target[..., None], axis=-1)[..., 0]
-    return target, best, best > -mx.inf
+    best = mx.max(cos, axis=-1)  # = cos at the target
+    return target, best, best > -mx.inf, norms
 
 
 def _prominence_share(positions, evict, target, s_l, s_t, off, joins=None):
@@ -293,22 +279,29 @@ def _per_target_sum(target, x, t: int):
 
 
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
-                      single: bool, grouped: bool = False) -> Callable:
-    """``f(keys, values, scores, positions, evict, real, offset, base, heads) -> (keys, values,
-    scores, merges [B, H])`` for one configuration; compiled when ``single`` (decode)."""
-    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single) + ((True,) if grouped else ())
+                      single: bool, grouped: bool = False, reuse: bool = False) -> Callable:
+    """``f(keys, values, scores, positions, evict, real, offset, draw_keys, owner, prev_norms,
+    written) -> (keys, values, scores, merges [B, H], norms [B, H, T])`` for one configuration;
+    compiled when ``single`` (decode). ``reuse``: ``prev_norms`` hold every slot's key norm but
+    those of the ``written`` slots, which are redone (else every norm is computed)."""
+    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single, grouped, reuse)
     fn = _FNS.get(cfg)
     if fn is not None:
         return fn
 
-    def merge_fn(keys, values, scores, positions, evict, real, off, base, heads, owner):
-        target, cos, has = _nearest_target(keys, positions, evict, n_sink, real, owner if grouped else None)
+    def merge_fn(keys, values, scores, positions, evict, real, off, draw_keys, owner, prev_norms, written):
+        norms = None
+        if reuse:
+            fresh = _key_norms(mx.take_along_axis(keys, written[..., None], axis=2))
+            norms = mx.put_along_axis(prev_norms, written, fresh, axis=-1)
+        target, cos, has, norms = _nearest_target(keys, positions, evict, n_sink, real, owner if grouped else None,
+                                                  norms)
         s_l = mx.take_along_axis(scores, evict, axis=-1)
         s_t = mx.take_along_axis(scores, target, axis=-1)
         do = has & real
         if gate:
             pos_l = mx.take_along_axis(positions, evict, axis=-1)
-            do = do & (_uniforms(base, heads, off, pos_l) < gate_probability(s_l, s_t))
+            do = do & (_draws(draw_keys, pos_l) < gate_probability(s_l, s_t))
         # Several losers of one step may share a target (prefill): each weight is then taken
         # against the target and all of them together, so x_t stays a convex combination.
         if merge == "sim_weighted":
@@ -332,13 +325,13 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
         new_keys = blend(keys) if merge_keys else keys
         count = do.astype(mx.int32).sum(axis=-1)
         if not transfer_mass:
-            return new_keys, new_values, scores, count
+            return new_keys, new_values, scores, count, norms
         moved = mx.where(do, s_l, 0.0)
         if single:
             new_scores = mx.put_along_axis(scores, target, s_t + moved, axis=-1)
         else:
             new_scores = _scatter_add(scores, target, moved)
-        return new_keys, new_values, new_scores, count
+        return new_keys, new_values, new_scores, count, norms
 
     fn = mx.compile(merge_fn) if (single and _COMPILE) else merge_fn
     _FNS[cfg] = fn
