@@ -239,8 +239,16 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, 
     if norms is None:
         norms = _key_norms(keys)  # [B,H,T]
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
-    cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     invalid = positions < n_sink  # sinks, and empty slots (position -1)
+    if evict.shape[-1] == 1 and owner is None:
+        # one loser (decode): [B,H,T] throughout, the loser excluded by its position (unique in
+        # its head) -- the fewest primitives, which is what a CPU decode step pays for
+        cos = dots.reshape(norms.shape) / (norms * norm_l + 1e-12)
+        cos = mx.where(invalid | (positions == mx.take_along_axis(positions, evict, axis=-1)), -mx.inf, cos)
+        target = mx.argmax(cos, axis=-1, keepdims=True).astype(mx.int32)
+        best = mx.max(cos, axis=-1, keepdims=True)
+        return target, best, best > -mx.inf, norms
+    cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     if evict.shape[-1] == 1:  # one loser: its position (unique in its head), an element-wise compare
         invalid = invalid | (positions == mx.take_along_axis(positions, evict, axis=-1))
     else:
