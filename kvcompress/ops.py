@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+import os
+
 import attrs
 import mlx.core as mx
 
@@ -228,17 +230,31 @@ def sortable_bits(x: mx.array) -> mx.array:
     return mx.where(neg, ~u, u | mx.array(0x80000000, mx.uint32))
 
 
-def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False) -> mx.array:
+def _lowest_one(key: mx.array, positions: mx.array, exclude: mx.array) -> mx.array:
+    key = mx.where(exclude, mx.inf, key)
+    low = key.min(axis=-1, keepdims=True)
+    big = mx.array(2**31 - 1, positions.dtype)
+    return mx.argmin(mx.where(key <= low, positions, big), axis=-1, keepdims=True).astype(mx.int32)
+
+
+# a decode step's choice as one compiled function (fewer primitives: the CPU pays per primitive);
+# KVCOMPRESS_NO_COMPILE=1 runs it eagerly
+_LOWEST_ONE = _lowest_one if os.environ.get("KVCOMPRESS_NO_COMPILE", "") not in ("", "0") else mx.compile(_lowest_one)
+
+
+def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False,
+             exclude: Optional[mx.array] = None) -> mx.array:
     """Slot indices ``[B, H, k]`` int32 of the ``k`` smallest ``(key, position)`` pairs.
 
     ``key`` ``[B, H, T]`` (``+inf`` for slots that must not be chosen), ``positions`` the slots'
-    token positions. Ties in ``key`` go to the lower position, so the set is the same for any
-    slot order. With ``ordered`` the result is sorted, smallest first.
+    token positions; ``exclude`` ``[B, H, T]`` bool: slots that must not be chosen either (as if
+    their key were ``+inf``). Ties in ``key`` go to the lower position, so the set is the same
+    for any slot order. With ``ordered`` the result is sorted, smallest first.
     """
     if k == 1:
-        low = key.min(axis=-1, keepdims=True)
-        big = mx.array(2**31 - 1, positions.dtype)
-        return mx.argmin(mx.where(key <= low, positions, big), axis=-1, keepdims=True).astype(mx.int32)
+        return _LOWEST_ONE(key, positions, mx.array(False) if exclude is None else exclude)
+    if exclude is not None:
+        key = mx.where(exclude, mx.inf, key)
     comp = (sortable_bits(key).astype(mx.uint64) << 32) | (
         (positions.astype(mx.int64) + 2**31).astype(mx.uint64)
     )

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Optional
 
 import attrs
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -556,3 +557,34 @@ class ForgetsSinks(IgnoresProtection):
 def test_catches_a_selector_that_drops_its_sinks():
     with pytest.raises(ContractFailure, match="contract 'sinks kept' broken: layer 0: the first 4 positions"):
         check_selector(spec("selector", "forgets_sinks", ForgetsSinks))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), t=st.integers(2, 40), n_sink=st.integers(0, 6), recent=st.integers(0, 8),
+       k=st.integers(1, 3), ties=st.booleans())
+def test_lowest_selection_matches_its_definition(seed, t, n_sink, recent, k, ties):
+    """The lowest selector (its decode path compiled: protection and choice as few kernels) picks
+    the ``k`` unprotected slots of smallest (score, position) -- checked against NumPy, with
+    tied scores and shuffled slots."""
+    from kvcompress import Selection
+    from kvcompress_basic.selectors import LowestScoreSelector
+
+    rng = np.random.default_rng(seed)
+    b, h = 2, 3
+    scores = rng.integers(0, 3, (b, h, t)).astype(np.float32) if ties else rng.standard_normal((b, h, t)).astype(np.float32)
+    pos = np.stack([[rng.permutation(t) for _ in range(h)] for _ in range(b)]).astype(np.int32)
+    offset = t
+    sel_c = LowestScoreSelector(n_sink=n_sink, recent=recent)
+    prot = sel_c.protected(mx.array(pos), mx.array(offset, dtype=mx.int32), 10**6)
+    want_prot = (pos < n_sink) | (pos >= offset - recent) if recent else (pos < n_sink)
+    assert np.array_equal(np.array(prot), want_prot)
+    free = (~want_prot).sum(-1).min()
+    if free < k:
+        return
+    got = np.array(sel_c.select(Selection(
+        scores=mx.array(scores), positions=mx.array(pos), protected=prot, n_evict=k, budget=10**6,
+        offset=mx.array(offset, dtype=mx.int32), offsets=(offset,) * b, layer=kvcompress.LayerInfo())))
+    for bi in range(b):
+        for hi in range(h):
+            cand = [(scores[bi, hi, j], pos[bi, hi, j], j) for j in range(t) if not want_prot[bi, hi, j]]
+            assert sorted(got[bi, hi].tolist()) == sorted(j for _, _, j in sorted(cand)[:k])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import ClassVar
 
 import attrs
@@ -11,6 +13,18 @@ from attrs.validators import ge, instance_of, lt
 from kvcompress.ops import lowest_k
 
 __all__ = ["LowestScoreSelector"]
+
+_COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
+
+
+@functools.lru_cache(maxsize=256)
+def _protect_fn(n_sink: int, r: int):
+    """``positions < n_sink | positions >= offset - r`` as one compiled kernel (ints baked in)."""
+
+    def protect(positions, offset):
+        return (positions < n_sink) | (positions >= offset - r)
+
+    return mx.compile(protect) if _COMPILE else protect
 
 
 @attrs.frozen
@@ -40,12 +54,14 @@ class LowestScoreSelector:
         return self.n_sink + self.recent_window(budget)
 
     def protected(self, positions: mx.array, offset: mx.array, budget) -> mx.array:
-        keep = positions < self.n_sink
         r = self.recent_window(budget)
-        if isinstance(r, mx.array) or r:
+        if not isinstance(r, mx.array) and r:
+            return _protect_fn(self.n_sink, r)(positions, offset)
+        keep = positions < self.n_sink
+        if isinstance(r, mx.array):
             keep = keep | (positions >= offset - r)
         return keep
 
     def select(self, sel) -> mx.array:
-        key = mx.where(sel.protected, mx.inf, sel.scores)
-        return lowest_k(key, sel.positions, sel.n_evict, ordered=sel.row_counts is not None)
+        return lowest_k(sel.scores, sel.positions, sel.n_evict, ordered=sel.row_counts is not None,
+                        exclude=sel.protected)
