@@ -282,7 +282,8 @@ def _prefill_component_ms(s, n: int = 5) -> dict:
 
 
 def _op_counts(kind: str, s, model) -> dict:
-    """MLX primitives of one decode step: cache update, observe, and a whole decoder layer."""
+    """MLX primitives of one decode step: the cache update, then the attention through the
+    model's (wrapped) SDPA with the scorer's observation, and a whole decoder layer."""
     from mlx_lm.models.cache import RotatingKVCache
 
     scale = s.head_dim**-0.5
@@ -292,12 +293,12 @@ def _op_counts(kind: str, s, model) -> dict:
     upd = count_ops(kk, vv, *_cache_arrays(c))
     mx.eval(kk, vv, _cache_arrays(c))
     res = {"update_and_fetch": upd["n_ops"], "update_by_op": upd["by_op"]}
-    if kind != "rotating":
-        c.observe(q1, scale)
-        obs = count_ops(*_cache_arrays(c))
-        res["observe"] = obs["n_ops"]
-        res["observe_by_op"] = obs["by_op"]
-        mx.eval(_cache_arrays(c))
+    # the step's attention as a model runs it (a compressing step: output and mass from one
+    # softmax, then observe), after the update was evaluated
+    out = _model_sdpa()(q1, kk, vv, cache=c, scale=scale, mask=None)
+    att = count_ops(out, *_cache_arrays(c))
+    res["attend_observe"], res["attend_observe_by_op"] = att["n_ops"], att["by_op"]
+    mx.eval(out, _cache_arrays(c))
     # a whole decoder layer (attention + MLP) with this cache, for scale
     layer = model.layers[0]
     c2 = _filled_layer_cache(kind, s) if kind != "rotating" else RotatingKVCache(s.budget, s.keep)
@@ -365,13 +366,13 @@ def profile_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     """One row per profile variant: model decode step, its excess over rotating, the 1-layer
     step and the MLX ops per layer step."""
     prof = payload["profile"]
-    cols = ["variant", "model decode step ms", "vs rotating ms", "1-layer step ms", "ops/layer (update+observe)"]
+    cols = ["variant", "model decode step ms", "vs rotating ms", "1-layer step ms", "ops/layer (update+attention)"]
     base = prof["model_step_ms"]["rotating"]["step_ms_median"]
     rows = []
     for var, r in prof["model_step_ms"].items():
         name = var.partition("[")[0]
         o = prof["ops_per_layer_step"].get(name, {})
-        ops = o.get("update_and_fetch", 0) + o.get("observe", 0) if "[" not in var else None
+        ops = o.get("update_and_fetch", 0) + o.get("attend_observe", 0) if "[" not in var else None
         rows.append([var, r["step_ms_median"], r["step_ms_median"] - base,
                      prof["layer_step_ms"][var]["ms"], ops])
     return cols, rows
@@ -408,8 +409,8 @@ def profile_markdown(payload: dict) -> list[str]:
                          ["method", "extra ms / token", "predicted decode ratio"],
                          [[m, v["extra_ms_per_token"], v["decode_ratio"]] for m, v in pred.items()]))
     ops = prof["ops_per_layer_step"]
-    rows = [[m, o.get("update_and_fetch"), o.get("observe", 0), o.get("decoder_layer_total")]
+    rows = [[m, o.get("update_and_fetch"), o.get("attend_observe", 0), o.get("decoder_layer_total")]
             for m, o in ops.items()]
     parts.append("MLX primitives per layer per decode step:\n\n" + markdown_table(
-        ["cache", "update_and_fetch", "observe", "whole decoder layer"], rows))
+        ["cache", "update_and_fetch", "attention + observe", "whole decoder layer"], rows))
     return parts
