@@ -303,9 +303,9 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
         w = self._written
         if w is None or w[0] is not self.keys:
             return None
-        if not w[1]:
-            return mx.zeros(self._pos.shape[:2] + (0,), mx.int32)
-        return w[1][0] if len(w[1]) == 1 else mx.concatenate(w[1], axis=-1)
+        if len(w[1]) == 1:
+            return w[1][0]
+        return mx.concatenate(w[1], axis=-1) if w[1] else mx.zeros(self._pos.shape[:2] + (0,), mx.int32)
 
     def _mark_freed(self, slots: mx.array, real) -> None:
         """Freed slots become empty (position -1)."""
@@ -361,8 +361,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
 
     def _compact(self) -> None:
         """Move empty slots to the left and drop those every row has."""
-        t = self._n
-        w = max(self._rows_n)
+        t, w, self._written = self._n, max(self._rows_n), None
         ar = mx.arange(t, dtype=mx.int32)
         order = mx.argsort(mx.where(self._pos >= 0, ar + t, ar), axis=-1)[..., t - w :]
         k, v = self.keys_and_values()

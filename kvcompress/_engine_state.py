@@ -145,6 +145,7 @@ class _StateMixin:
             comp = self.method.component(kind)
             self._states[kind] = _state.restore_state(comp, m["components"][kind], extra[i : i + k])
             i += k
+        self._written = None  # (nothing is known about what changed since an eviction)
         if arrays:
             self.keys, self.values, pos, score = arrays
             self._pos, self._score = pos.astype(mx.int32), score.astype(mx.float32)

@@ -122,6 +122,7 @@ class BatchCompressedKVCache(_Engine):
     def _set_rows(self, rows: dict, parts: list, width: int) -> None:
         for name, value in rows.items():
             setattr(self, name, value)
+        self._written = None
         if parts:
             self.keys, self.values, self._pos, self._score = (mx.concatenate(x, axis=0) for x in zip(*parts))
             self._n = width
@@ -240,6 +241,7 @@ def _sub(cache, rows: list):
     """A light copy of ``cache`` holding only ``rows`` (storage and host lists)."""
     sub = object.__new__(type(cache))
     sub.__dict__.update(cache.__dict__)
+    sub._written = None
     idx = mx.array(rows, dtype=mx.int32)
     if cache.keys is not None:
         k, v = cache.keys_and_values()

@@ -984,3 +984,44 @@ def test_host_draw_keys_equal_the_device_hash(seed, layer, head0, h, offsets):
     assert mx.array_equal(host, device).item()
     pos = mx.array(offsets, dtype=mx.int32).reshape(-1, 1, 1) // 3
     assert mx.array_equal(mm._draws(host, pos), gate_uniforms(seed, layer, heads, offs, pos)).item()
+
+
+def test_written_slot_record_never_outlives_the_keys_it_describes(models):
+    """The cache's record of the slots written since an eviction refers to its current keys or
+    is cleared -- after decode steps, a chunk, batch merge / filter / extend / extract and a
+    state reload -- so it never keeps an old keys array alive nor describes one it no longer holds."""
+    from kvcompress import BatchCompressedKVCache
+
+    model = models["gqa"]
+
+    def check(caches):
+        for c in caches:
+            assert c._written is None or c._written[0] is c.keys
+
+    def decode(caches, rows, n, seed):
+        tok = mx.array(np.random.default_rng(seed).integers(3, 90, (rows, 1)), dtype=mx.int32)
+        for _ in range(n):
+            tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
+            mx.eval(tok)
+            check(caches)
+
+    solo = [make_prompt_cache(model, "cam", budget=16) for _ in range(3)]
+    for i, caches in enumerate(solo):
+        run(model, caches, n_prompt=30 + 5 * i, n_decode=4, seed=i)
+        check(caches)
+    batch = [BatchCompressedKVCache.merge([s[layer] for s in solo[:2]]) for layer in range(len(solo[0]))]
+    check(batch)
+    decode(batch, 2, 3, 7)
+    assert any(c._written is not None for c in batch)  # decode steps are recorded
+    for c, other in zip(batch, solo[2]):
+        c.filter([1])
+        c.extend(BatchCompressedKVCache.merge([other]))
+    check(batch)
+    decode(batch, 2, 3, 8)
+    one = [c.extract(0) for c in batch]
+    check(one)
+    for c in one:
+        c.state = c.state
+    check(one)
+    run(model, one, n_prompt=5, n_decode=3, seed=9)
+    check(one)
