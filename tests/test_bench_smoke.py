@@ -469,3 +469,20 @@ def test_impossible_settings_are_one_error_line(argv, message, tmp_path, capsys)
     assert err.startswith(f"kvcompress bench {argv[0]}: error: ") and "\n" not in err, err
     assert message in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_speed_targets_follow_what_a_method_keeps():
+    """A method whose disposition keeps and attends the tokens it frees (KIVI) is judged as a
+    full cache's replacement (decode >= 0.8x rotating, prefill <= 2x full); an eviction method
+    by the bounded-cache targets (decode >= 0.9x, prefill <= 1.3x rotating)."""
+    from kvcompress.bench import speed
+
+    rec = {"decode_ratio": 0.85, "prefill_ratio": 1.8, "prefill_ratio_full": 0.9}
+    kivi, h2o = speed._targets("kivi", rec), speed._targets("h2o", rec)
+    assert (kivi["decode_target_met"], kivi["prefill_target_met"]) == (True, True)
+    assert (h2o["decode_target_met"], h2o["prefill_target_met"]) == (False, False)
+    assert speed._targets("kivi", {**rec, "prefill_ratio_full": 2.5})["prefill_target_met"] is False
+    assert speed._targets("kivi", {"decode_ratio": 0.7, "prefill_ratio": 1.8})["prefill_target_met"] is None
+    payload = {"summary": {"kivi": {**rec, **kivi, "prefill_s_median": 1.0, "decode_tok_s_median": 1.0}}}
+    row = speed.summary_table(payload)[1][0]
+    assert row[-1] == "decode yes, prefill (vs full) yes"

@@ -21,8 +21,11 @@ timed in blocks of ``decode_block`` tokens, interleaved kind by kind with the or
 block (:mod:`kvcompress.bench._harness`), so bursts of load from other processes hit every kind
 alike. Ratios are paired -- prefill per round, decode per (round, block) -- and the reported
 ratio is their median (decode: tokens/s ratio, higher is better, target >= 0.9; prefill: time
-ratio, lower is better, target <= 1.3). The same ratios in CPU seconds of this process are
-reported alongside as a cross-check.
+ratio, lower is better, target <= 1.3). A method whose disposition keeps the tokens it frees
+and attends them (its ``attend`` hook, e.g. KIVI's quantized store) holds every token, so its
+targets are those of a full cache's replacement: decode >= 0.8x ``rotating`` and prefill <= 2x
+``full`` (``prefill_ratio_full``, paired per round, whenever ``full`` runs). The same ratios in
+CPU seconds of this process are reported alongside as a cross-check.
 
 **Profile** (:func:`~kvcompress.bench._profile.profile_decode`): where the decode time of the
 compressed caches goes. **dtype probe** (:func:`dtype_probe`): the weight dtypes compared on a
@@ -223,11 +226,30 @@ def _summarise(rounds: list, s: SpeedSettings) -> dict:
                 decode_ratio_cpu=median(d_cpu),
                 prefill_ratio_cpu=median(p_cpu),
             )
+            if kind in s.methods and "full" in s.kinds():
+                rec["prefill_ratio_full"] = median(paired(per_round("prefill_s"), per_round("prefill_s", "full")))
             if kind in s.methods:
-                rec["decode_target_met"] = rec["decode_ratio"] >= 0.9
-                rec["prefill_target_met"] = rec["prefill_ratio"] <= 1.3
+                rec.update(_targets(kind, rec))
         out[kind] = rec
     return out
+
+
+def _keeps_every_token(name: str) -> bool:
+    """Whether the method's disposition keeps the tokens it frees and attends them."""
+    from kvcompress import build_method
+
+    return "attend" in build_method(name).hooks()["disposition"]
+
+
+def _targets(kind: str, rec: dict) -> dict:
+    """``decode_target_met`` / ``prefill_target_met`` and the rule they were judged by."""
+    if _keeps_every_token(kind):
+        prefill = rec.get("prefill_ratio_full")
+        return {"target_rule": "keeps every token: decode >= 0.8x rotating, prefill <= 2x full",
+                "decode_target_met": rec["decode_ratio"] >= 0.8,
+                "prefill_target_met": None if prefill is None else prefill <= 2.0}
+    return {"target_rule": "decode >= 0.9x rotating, prefill <= 1.3x rotating",
+            "decode_target_met": rec["decode_ratio"] >= 0.9, "prefill_target_met": rec["prefill_ratio"] <= 1.3}
 
 
 def dtype_probe(s: SpeedSettings, prefill_tokens: int = 32, decode_steps: int = 8) -> dict:
@@ -268,8 +290,10 @@ def summary_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     for kind, rec in payload["summary"].items():
         met = "-"
         if "decode_target_met" in rec:
+            vs_full = rec.get("target_rule", "").startswith("keeps")
+            prefill = {True: "yes", False: "NO", None: "?"}[rec["prefill_target_met"]]
             met = ("decode yes" if rec["decode_target_met"] else "decode NO") + ", " + (
-                "prefill yes" if rec["prefill_target_met"] else "prefill NO")
+                f"prefill (vs full) {prefill}" if vs_full else f"prefill {prefill}")
         one = 1.0 if kind == "rotating" else None
         rows.append([
             kind, rec["prefill_s_median"], rec.get("prefill_ratio", one), rec.get("prefill_ratio_cpu", one),
