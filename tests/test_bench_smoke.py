@@ -12,7 +12,7 @@ import pytest
 
 import kvcompress
 from kvcompress import MethodSpec, Registry, hookimpl
-from kvcompress.bench import _harness, _profile, _report
+from kvcompress.bench import _harness, _profile, _profile_report, _report
 from kvcompress.bench import speed as speed_mod
 from kvcompress.bench import synthetic as syn
 
@@ -201,7 +201,7 @@ def test_speed_profile_counts_cache_ops(speed_payload):
     for var in ("rotating", "h2o", "h2o[no_score]", "cam", "cam[no_score]"):
         assert prof["layer_prefill_chunk_ms"][var]["ms"] > 0
     assert {"sdpa", "attention_mass"} <= set(prof["prefill_component_ms"])
-    cols, rows = _profile.profile_table(speed_payload)
+    cols, rows = _profile_report.profile_table(speed_payload)
     assert len(rows) == len(prof["model_step_ms"])
 
 

@@ -57,7 +57,8 @@ from ._harness import (
 )
 from ._model import DTYPES, ModelShape, build_model, random_tokens
 from ._options import add_output_arguments, check_minimums, options_given, out_dir
-from ._profile import profile_decode, profile_markdown, profile_table
+from ._profile import profile_decode
+from ._profile_report import profile_markdown, profile_table
 from ._report import caption as _caption
 from ._report import finish, machine_info, markdown_table, print_table, pyplot, save_plot, warn_openblas, write_json
 
