@@ -23,8 +23,11 @@ import os
 import attrs
 import mlx.core as mx
 
-__all__ = ["NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
+__all__ = ["COMPILE", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
 
+#: Whether decode-path functions run ``mx.compile``d (False with ``KVCOMPRESS_NO_COMPILE=1``:
+#: eagerly, e.g. to debug); components with compiled decode functions read this switch too.
+COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
 #: The logit given to invisible keys: finite, so a query that sees nothing gets no NaN.
 NEG = -3.0e38
 #: Queries per block: bounds the ``[.., block, T]`` float32 logits of a long chunk.
@@ -237,9 +240,8 @@ def _lowest_one(key: mx.array, positions: mx.array, exclude: mx.array) -> mx.arr
     return mx.argmin(mx.where(key <= low, positions, big), axis=-1, keepdims=True).astype(mx.int32)
 
 
-# a decode step's choice as one compiled function (fewer primitives: the CPU pays per primitive);
-# KVCOMPRESS_NO_COMPILE=1 runs it eagerly
-_LOWEST_ONE = _lowest_one if os.environ.get("KVCOMPRESS_NO_COMPILE", "") not in ("", "0") else mx.compile(_lowest_one)
+# a decode step's choice as one compiled function (fewer primitives: the CPU pays per primitive)
+_LOWEST_ONE = mx.compile(_lowest_one) if COMPILE else _lowest_one
 
 
 def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False,

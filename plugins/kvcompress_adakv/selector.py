@@ -91,5 +91,4 @@ class AdaptiveSelector(LowestScoreSelector):
             floor = self._floor(sel.budget)
             best = head_ranks(mx.where(protected, mx.inf, sel.scores), sel.owner, sel.heads_per_row)
             protected = protected | (best < floor)
-        key = mx.where(protected, mx.inf, sel.scores)
-        return lowest_k(key, sel.positions, sel.n_evict, ordered=sel.row_counts is not None)
+        return lowest_k(sel.scores, sel.positions, sel.n_evict, ordered=sel.row_counts is not None, exclude=protected)

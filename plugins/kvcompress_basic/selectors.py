@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import ClassVar
 
 import attrs
 import mlx.core as mx
 from attrs.validators import ge, instance_of, lt
 
-from kvcompress.ops import lowest_k
+from kvcompress.ops import COMPILE, lowest_k
 
 __all__ = ["LowestScoreSelector"]
-
-_COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
-
 
 @functools.lru_cache(maxsize=256)
 def _protect_fn(n_sink: int, r: int):
@@ -24,7 +20,7 @@ def _protect_fn(n_sink: int, r: int):
     def protect(positions, offset):
         return (positions < n_sink) | (positions >= offset - r)
 
-    return mx.compile(protect) if _COMPILE else protect
+    return mx.compile(protect) if COMPILE else protect
 
 
 @attrs.frozen

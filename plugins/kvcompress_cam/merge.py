@@ -45,14 +45,13 @@ write since (``Eviction.written``), so a step computes one norm per row and head
 
 from __future__ import annotations
 
-import os
 from typing import Callable, ClassVar, Literal, Optional
 
 import attrs
 import mlx.core as mx
 from attrs.validators import ge, in_, instance_of
 
-from kvcompress import derived_field, rows_field
+from kvcompress import derived_field, ops, rows_field
 
 from .draws import _draw_keys, _draws, _host_draw_keys, _seed_base, _u32, bernoulli_gate, gate_uniforms
 
@@ -222,7 +221,7 @@ class GatedMerge:
 # The nearest-target merge as a pure function of arrays (compiled for decode)
 # --------------------------------------------------------------------------------------------
 
-_COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
+_COMPILE = ops.COMPILE
 _FNS: dict = {}
 
 
@@ -240,19 +239,16 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, 
         norms = _key_norms(keys)  # [B,H,T]
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]
     invalid = positions < n_sink  # sinks, and empty slots (position -1)
-    if evict.shape[-1] == 1 and owner is None:
-        # one loser (decode): [B,H,T] throughout, the loser excluded by its position (unique in
-        # its head) -- the fewest primitives, which is what a CPU decode step pays for
-        cos = dots.reshape(norms.shape) / (norms * norm_l + 1e-12)
-        cos = mx.where(invalid | (positions == mx.take_along_axis(positions, evict, axis=-1)), -mx.inf, cos)
-        target = mx.argmax(cos, axis=-1, keepdims=True).astype(mx.int32)
-        best = mx.max(cos, axis=-1, keepdims=True)
-        return target, best, best > -mx.inf, norms
-    cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     if evict.shape[-1] == 1:  # one loser: its position (unique in its head), an element-wise compare
         invalid = invalid | (positions == mx.take_along_axis(positions, evict, axis=-1))
+        if owner is None:  # decode: [B,H,T] throughout -- the fewest primitives, what a CPU step pays for
+            cos = mx.where(invalid, -mx.inf, dots.reshape(norms.shape) / (norms * norm_l + 1e-12))
+            target = mx.argmax(cos, axis=-1, keepdims=True).astype(mx.int32)
+            best = mx.max(cos, axis=-1, keepdims=True)
+            return target, best, best > -mx.inf, norms
     else:
         invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
+    cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
     invalid = invalid[:, :, None, :]
     if owner is not None:  # head groups: only the loser's own head's slots
         invalid = invalid | (owner[:, :, None, :] != mx.take_along_axis(owner, evict, axis=-1)[..., None])
