@@ -127,9 +127,7 @@ def attention(
         i1 = min(i0 + block, n)
         qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
         if outs or total is not None:
-            # one block at a time: MLX would otherwise run the blocks' matmuls side by side and
-            # hold every block's logits at once, which defeats the blocking
-            qb = mx.depends([qb], [outs[-1] if outs else total])[0]
+            _finish_block(outs[-1] if outs else None, total)
         parts = [e.logits(qb) for e in extra]
         if key_positions is not None:
             vis = visibility(key_positions, qpos[..., i0:i1])[:, :, None]  # [B, H|1, 1, nb, T]
@@ -185,6 +183,17 @@ def attention(
         elif mass != "heads":
             raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     return out, total
+
+
+def _finish_block(out, total) -> None:
+    """Evaluate the previous query block before the next is built. MLX allocates an op's output
+    when it dispatches the op, so a lazy graph of blocks (even chained with ``mx.depends``) holds
+    every block's logits at once, which defeats the blocking. Inside ``mx.compile`` nothing can be
+    evaluated: the blocks then stay one lazy graph (same values, more memory)."""
+    try:
+        mx.eval([x for x in (out, total) if x is not None])
+    except ValueError:  # "[eval] ... during function transformations like compile"
+        pass
 
 
 def _block_mask(mask, i0: int, i1: int, n: int, t: int, h_kv: int, g: int):

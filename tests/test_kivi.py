@@ -273,7 +273,7 @@ def test_ops_attention_under_mlx_masks_equals_sdpa(mask_kind):
 
 
 def test_ops_attention_blocks_run_one_after_another_with_the_same_result():
-    """Query blocks are chained (mx.depends) to bound memory; output and mass do not change."""
+    """Query blocks are evaluated one at a time to bound memory; output and mass do not change."""
     b, h_q, h, n, t, d = 2, 4, 2, 9, 20, 8
     q = mx.random.normal((b, h_q, n, d), key=mx.random.key(63))
     k, v = _kv(b, h, t, d, seed=64)
@@ -288,6 +288,17 @@ def test_ops_attention_blocks_run_one_after_another_with_the_same_result():
         np.testing.assert_allclose(np.array(one[0]), np.array(many[0]), atol=1e-6, rtol=1e-6)
         if mass:
             np.testing.assert_allclose(np.array(one[1]), np.array(many[1]), atol=1e-6)
+
+
+def test_ops_attention_blocks_inside_mx_compile():
+    """Inside ``mx.compile`` no block can be evaluated early: the blocks stay one lazy graph
+    with the same values (the per-block evaluation is a memory bound, never a requirement)."""
+    b, h_q, h, n, t, d = 1, 4, 2, 9, 20, 8
+    q = mx.random.normal((b, h_q, n, d), key=mx.random.key(67))
+    k, v = _kv(b, h, t, d, seed=68)
+    eager = ops.attention(q, k, v, 0.3, mask="causal", block=2)[0]
+    compiled = mx.compile(lambda q, k, v: ops.attention(q, k, v, 0.3, mask="causal", block=2)[0])(q, k, v)
+    np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-6, rtol=1e-6)
 
 
 def test_chunk_attention_transient_memory_below_full_attention():
