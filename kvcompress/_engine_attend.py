@@ -108,6 +108,15 @@ class _AttendMixin:
         self._score_step(queries, scale, proxy=False)
         self._query_steps += 1
 
+    def step_arrays(self) -> list:
+        """What the last step updated lazily: scores, positions, the scorer's state arrays. The
+        attention wrapper makes the layer's output depend on them. mlx-lm's decode evaluates only
+        the model's output, and below budget nothing in it reads these, so without the tie their
+        graph would grow every step, holding each step's keys (memory growing with every token)."""
+        if self._score is None:
+            return []
+        return [self._score, self._pos, *_state.held_arrays(self._states["scorer"])]
+
     def _unobserved_step(self) -> None:
         """The model attended without mlx-lm's attention function: score with key-as-query."""
         global _proxy_warned

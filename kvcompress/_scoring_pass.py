@@ -89,6 +89,10 @@ class PassView:
         )
         return out
 
+    def step_arrays(self) -> list:
+        """Nothing to tie: a pass's scores reach the real cache, whose next step is tied."""
+        return []
+
     def observe(self, queries: mx.array, scale: float) -> None:
         c = self.cache
         b, h = self._pos.shape[:2]

@@ -58,6 +58,21 @@ def derived_arrays(state) -> list:
             if _DERIVED in f.metadata and isinstance(getattr(state, f.name), mx.array)]
 
 
+def held_arrays(state) -> list:
+    """The arrays a state holds in its fields (directly or in a list/tuple), without unstructuring
+    it: cheap enough for every step."""
+    if state is None or not attrs.has(type(state)):
+        return []
+    out = []
+    for f in attrs.fields(type(state)):
+        x = getattr(state, f.name)
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(a for a in x if isinstance(a, mx.array))
+    return out
+
+
 def _without_derived(state):
     names = [f.name for f in attrs.fields(type(state)) if _DERIVED in f.metadata]
     return attrs.evolve(state, **{n: None for n in names}) if names else state

@@ -4,8 +4,10 @@ mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache=.
 mask=...)``, a function each model module imports from ``mlx_lm.models.base``. The wrapper
 installed here replaces that name in ``mlx_lm.models.base`` (so every model module imported
 later gets it) and in every model module already imported. For a kvcompress cache it runs the
-cache's attention (the exact slot mask, or the disposition's own attention) and then hands the
-step's queries to the cache; for any other cache it calls the original function unchanged.
+cache's attention (the exact slot mask, or the disposition's own attention), hands the step's
+queries to the cache and returns the output made to depend (``mx.depends``) on the scores and
+state the step updated, so that evaluating the model's output evaluates them (mlx-lm's decode
+evaluates nothing else); for any other cache it calls the original function unchanged.
 
 The wrapper holds no state and is installed on first use of any kvcompress cache, so a cache
 loaded in a fresh process scores with real queries exactly as the uninterrupted run did.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
@@ -48,7 +51,8 @@ def _wrap(original):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw)
         out = cache.attend(original, queries, keys, values, scale, mask, sinks)
         cache.observe(queries, scale)
-        return out
+        tie = cache.step_arrays()  # evaluated with the output: never an unbounded lazy graph
+        return mx.depends([out], tie)[0] if tie else out
 
     setattr(scaled_dot_product_attention, _MARK, original)
     scaled_dot_product_attention.__doc__ = original.__doc__
