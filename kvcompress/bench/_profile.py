@@ -111,8 +111,7 @@ def _cache_arrays(c) -> list:
     if not hasattr(c, "_states"):
         return [a for a in (c.keys, c.values) if a is not None]
     arrays = [a for a in (c.keys, c.values, c._pos, c._score) if isinstance(a, mx.array)]
-    # (and what the step tied to its output: a planned eviction's reads, evaluated with the step)
-    return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)] + c.step_arrays()
+    return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)]
 
 
 def _filled_layer_cache(kind: str, s, flags=()):
