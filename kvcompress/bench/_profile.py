@@ -294,8 +294,7 @@ def _op_counts(kind: str, s, model) -> dict:
     mx.eval(kk, vv, _cache_arrays(c))
     res = {"update_and_fetch": upd["n_ops"], "update_by_op": upd["by_op"]}
     # the step's attention as a model runs it (a compressing step: output and mass from one
-    # softmax, then observe, then the reads of the next step's planned eviction, if any), after
-    # the update was evaluated
+    # softmax, then observe), after the update was evaluated
     out = _model_sdpa()(q1, kk, vv, cache=c, scale=scale, mask=None)
     att = count_ops(out, *_cache_arrays(c))
     res["attend_observe"], res["attend_observe_by_op"] = att["n_ops"], att["by_op"]
