@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from ._engine_attend import UNDO_TOKENS, _AttendMixin
+from ._engine_plan import _PlanMixin
 from ._engine_state import _STATE_VERSION, _StateMixin
 from .contexts import Eviction, LayerInfo, Selection
 from .errors import ConfigError
@@ -48,7 +49,7 @@ def _ensure_wrapped() -> None:
     ensure_wrapped()
 
 
-class _Engine(_AttendMixin, _StateMixin, _BaseCache):
+class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
     step = 256
 
     def __init__(self, method, budget, layer=0, group: Optional[PromptGroup] = None, info: Optional[LayerInfo] = None):
@@ -263,6 +264,23 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
     def _evict(self, need: list):
         """Free ``need[b]`` slots (or the selector's whole chunks) per row; returns
         ``(slots [B, H, E], real [B, H, E] or None)``."""
+        planned = self._take_plan(need)
+        if planned is not None:  # selected and read at the end of the step before
+            ev, plan = planned
+            k, v, self._score = self._hooks["disposition"]["apply"](ev, plan)
+        else:
+            ev = self._eviction(need)
+            k, v, self._score = self.method.disposition.dispose(ev)
+        self._states["disposition"] = ev.state
+        self.keys, self.values = k, v
+        self._written = (k, [])
+        self._rounds += 1
+        self._rows_n = [n - c for n, c in zip(self._rows_n, ev.counts)]
+        self._rows_evicted = [t + c for t, c in zip(self._rows_evicted, ev.counts)]
+        return (ev.evict, ev.real)
+
+    def _eviction(self, need: list) -> Eviction:
+        """The selector's choice of ``need[b]`` slots per row, as the disposition sees it."""
         count = self._hooks["selector"].get("evict_count")
         counts = [int(count(e)) if count and e else e for e in need]
         uniform = len(set(counts)) == 1
@@ -289,14 +307,7 @@ class _Engine(_AttendMixin, _StateMixin, _BaseCache):
             state=self._states["disposition"], group=self.group, owner=owner, heads_per_row=self._g,
             written=self._written_slots(),
         )
-        k, v, self._score = self.method.disposition.dispose(ev)
-        self._states["disposition"] = ev.state
-        self.keys, self.values = k, v
-        self._written = (k, [])
-        self._rounds += 1
-        self._rows_n = [n - c for n, c in zip(self._rows_n, counts)]
-        self._rows_evicted = [t + c for t, c in zip(self._rows_evicted, counts)]
-        return (slots, real)
+        return ev
 
     def _written_slots(self):
         """The slots written since the last eviction, if those are all that changed (else None)."""

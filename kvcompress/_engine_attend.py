@@ -115,7 +115,7 @@ class _AttendMixin:
         graph would grow every step, holding each step's keys (memory growing with every token)."""
         if self._score is None:
             return []
-        return [self._score, self._pos, *_state.held_arrays(self._states["scorer"])]
+        return [self._score, self._pos, *_state.held_arrays(self._states["scorer"]), *self._plan_arrays()]
 
     def _unobserved_step(self) -> None:
         """The model attended without mlx-lm's attention function: score with key-as-query."""
@@ -177,6 +177,8 @@ class _AttendMixin:
         keep_q = S <= UNDO_TOKENS and not proxy
         self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
         self._undo_tokens, self._step_tokens = self._step_tokens, None
+        if not proxy:
+            self._plan_next()
 
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when

@@ -295,6 +295,6 @@ class _StateMixin:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in self.__dict__.items():
-            new.__dict__[name] = copy.deepcopy(value, memo)
+            new.__dict__[name] = None if name == "_planned" else copy.deepcopy(value, memo)
         new.group.add(new.info.layer, new)
         return new

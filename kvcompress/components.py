@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 
 import attrs
 import mlx.core as mx
@@ -233,6 +233,17 @@ class DispositionHooks:
     def view_keys(self, state, keys: mx.array, positions: mx.array, offset: mx.array) -> mx.array:
         """The keys a step attends (and scorers observe), derived from the stored ones."""
 
+    def plan(self, ev: Eviction) -> Optional[tuple]:
+        """The reads of ``dispose(ev)`` (a tuple of small arrays), done at the end of the step
+        before, while that step's attention reads the same arrays; None: no plan, ``dispose``
+        runs. Must not change ``ev.state``. Declaring ``plan`` requires ``apply``."""
+
+    def apply(self, ev: Eviction, plan: tuple) -> tuple:
+        """The writes: exactly what ``dispose(ev)`` returns (and the same ``ev.state``), given
+        the ``plan`` made for this ``ev``. A disposition that reads and writes the same stored
+        arrays in one step makes MLX copy them; split, it only writes
+        (:mod:`kvcompress._engine_plan`)."""
+
 
 class BudgetHooks:
     def observe_layer(self, state, x: mx.array, out: mx.array, weight) -> Any:
@@ -254,7 +265,7 @@ _COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
 OPTIONAL_HOOKS = {
     "scorer": _COMMON + ("pass_tokens",),
     "selector": _COMMON + ("evict_count", "head_group"),
-    "disposition": _COMMON + ("attend", "view_keys"),
+    "disposition": _COMMON + ("attend", "view_keys", "plan", "apply"),
     "budget": _COMMON + ("observe_layer", "rebudget"),
 }
 
@@ -270,10 +281,17 @@ def _own_methods(cls: type) -> list[str]:
     return sorted(names)
 
 
+_PAIRED = {"plan": "apply", "apply": "plan"}  # disposition hooks that only work together
+
+
 def check_hook_names(kind: str, cls: type, name: str = "") -> None:
     """Raise ValueError if ``cls`` defines a method that looks like a hook of ``kind`` but is not one."""
     hooks = set(REQUIRED_HOOKS[kind]) | set(OPTIONAL_HOOKS[kind])
     everything = {h for k in KINDS for h in REQUIRED_HOOKS[k] + OPTIONAL_HOOKS[k]}
+    own = set(_own_methods(cls)) | {h for h in _PAIRED if callable(getattr(cls, h, None))}
+    for a, b in _PAIRED.items():
+        if kind == "disposition" and a in own and b not in own:
+            raise ValueError(f"{kind} {name or cls.__name__!r}: defines {a!r} but not {b!r}; the two go together")
     for meth in _own_methods(cls):
         if meth in everything:
             continue  # a hook of this kind, or (never called) a helper named like another kind's

@@ -36,7 +36,7 @@ def test_compiled_decode_merge_equals_the_eager_one(merge, dtype, monkeypatch):
         ev = make_ev(keys, values, scores, evict, layer=3, draw_id=11, offset=300)
         *arrays, n = dispose(gm, ev)
         outs.append([np_(x) for x in arrays] + [n])
-        fn = merge_mod._FNS[(merge, True, True, 4, True, True, False, False)]  # the decode function in use
+        fn = merge_mod._FNS[(merge, True, True, 4, True, True, False, False, False)]  # the decode function in use
         assert (type(fn).__name__ == "_gc_func") == compiled  # mx.compile's wrapper type
     (kc, vc, sc, nc), (ke, ve, se, ne) = outs
     assert int(nc) == int(ne) > 0
@@ -56,20 +56,20 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
 
     model = models["gqa"]
     seen = []
-    real_dispose = GatedMerge.dispose
+    real_merge = GatedMerge._merge_nearest  # (dispose's, and a planned eviction's reads)
 
-    def spy(self, ev):
+    def spy(self, ev, split=False):
         seen.append(ev.written is not None and isinstance(ev.state, MergeState) and ev.state.norms is not None)
-        return real_dispose(self, ev)
+        return real_merge(self, ev, split)
 
-    monkeypatch.setattr(GatedMerge, "dispose", spy)
+    monkeypatch.setattr(GatedMerge, "_merge_nearest", spy)
 
     def drive(fresh: bool):
         if fresh:  # the cache never says which slots it wrote: every norm is computed
             monkeypatch.setattr(_engine._Engine, "_written_slots", lambda self: None)
         else:
             monkeypatch.undo()
-            monkeypatch.setattr(GatedMerge, "dispose", spy)
+            monkeypatch.setattr(GatedMerge, "_merge_nearest", spy)
         caches = make_prompt_cache(model, "cam", budget=16)
         out = run(model, caches, batch=batch, n_prompt=40, n_decode=10, chunk=8, seed=3)
         tok = mx.argmax(out[-1][:, -1:], axis=-1)

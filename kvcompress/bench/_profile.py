@@ -111,7 +111,8 @@ def _cache_arrays(c) -> list:
     if not hasattr(c, "_states"):
         return [a for a in (c.keys, c.values) if a is not None]
     arrays = [a for a in (c.keys, c.values, c._pos, c._score) if isinstance(a, mx.array)]
-    return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)]
+    # (and what the step tied to its output: a planned eviction's reads, evaluated with the step)
+    return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)] + c.step_arrays()
 
 
 def _filled_layer_cache(kind: str, s, flags=()):
@@ -294,7 +295,8 @@ def _op_counts(kind: str, s, model) -> dict:
     mx.eval(kk, vv, _cache_arrays(c))
     res = {"update_and_fetch": upd["n_ops"], "update_by_op": upd["by_op"]}
     # the step's attention as a model runs it (a compressing step: output and mass from one
-    # softmax, then observe), after the update was evaluated
+    # softmax, then observe, then the reads of the next step's planned eviction, if any), after
+    # the update was evaluated
     out = _model_sdpa()(q1, kk, vv, cache=c, scale=scale, mask=None)
     att = count_ops(out, *_cache_arrays(c))
     res["attend_observe"], res["attend_observe_by_op"] = att["n_ops"], att["by_op"]

@@ -121,12 +121,33 @@ class GatedMerge:
             return ev.keys, ev.values, ev.scores
         fn = self._merge_nearest if self.target == "nearest" else self._merge_window
         keys, values, scores, done, norms = fn(ev)
+        self._record(ev, done, norms)
+        return keys, values, scores
+
+    def plan(self, ev):
+        """A decode step's nearest-target merge, reads only: ``(target, value row, key row or
+        None, target score or None, merges, norms)``; None where there is no such plan (drop,
+        the window rule, chunks, head groups)."""
+        if self.merge == "drop" or self.target != "nearest" or ev.evict.shape[-1] != 1 or ev.owner is not None:
+            return None
+        return self._merge_nearest(ev, split=True)
+
+    def apply(self, ev, plan):
+        """The writes of a :meth:`plan`: the same keys, values, scores and state as dispose."""
+        target, vrow, krow, s_t, done, norms = plan
+        idx = target[..., None]
+        values = mx.put_along_axis(ev.values, idx, vrow, axis=2)
+        keys = ev.keys if krow is None else mx.put_along_axis(ev.keys, idx, krow, axis=2)
+        scores = ev.scores if s_t is None else mx.put_along_axis(ev.scores, target, s_t, axis=-1)
+        self._record(ev, done, norms)
+        return keys, values, scores
+
+    def _record(self, ev, done, norms) -> None:
         if isinstance(ev.state, MergeState):
             m = done if ev.state.merges is None else ev.state.merges + done
             if ev.draw_id % 128 == 127:  # keep the lazy counter's graph from growing unbounded
                 mx.async_eval(m)
             ev.state = attrs.evolve(ev.state, merges=m, norms=norms)
-        return keys, values, scores
 
     def _draw_inputs(self, ev) -> mx.array:
         """:func:`_draw_keys` ``[B, H, 1 | E]`` of each loser's row and KV head (on the host
@@ -149,7 +170,7 @@ class GatedMerge:
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
         return _nearest_target(keys, positions, evict, self.n_sink, real, owner)[:3]
 
-    def _merge_nearest(self, ev):
+    def _merge_nearest(self, ev, split: bool = False):
         single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
         grouped = ev.owner is not None
         # decode: the key norms of the last eviction, redone only for the slots written since
@@ -158,13 +179,17 @@ class GatedMerge:
         reuse = single and not self.merge_keys and ev.written is not None and prev is not None and (
             prev.shape == ev.positions.shape)
         fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single,
-                               grouped, reuse)
+                               grouped, reuse, split)
         real = ev.real if ev.real is not None else mx.array(True)
         owner = ev.owner if grouped else ev.positions  # (unused without head groups)
         norms = (prev, ev.written) if reuse else (ev.scores, ev.evict)  # (unused without reuse)
         *out, norms = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, ev.offset, self._draw_inputs(ev),
                          owner, *norms)
-        return (*out, norms if single and not self.merge_keys else None)
+        norms = norms if single and not self.merge_keys else None
+        if split:  # (target, value row, key row, target score, merges, norms)
+            target, vrow, krow, s_t, done = out
+            return (target, vrow, krow if self.merge_keys else None, s_t if self.transfer_mass else None, done, norms)
+        return (*out, norms)
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
@@ -283,12 +308,15 @@ def _per_target_sum(target, x, t: int):
 
 
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
-                      single: bool, grouped: bool = False, reuse: bool = False) -> Callable:
+                      single: bool, grouped: bool = False, reuse: bool = False, split: bool = False) -> Callable:
     """``f(keys, values, scores, positions, evict, real, offset, draw_keys, owner, prev_norms,
     written) -> (keys, values, scores, merges [B, H], norms [B, H, T])`` for one configuration;
     compiled when ``single`` (decode). ``reuse``: ``prev_norms`` hold every slot's key norm but
-    those of the ``written`` slots, which are redone (else every norm is computed)."""
-    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single, grouped, reuse)
+    those of the ``written`` slots, which are redone (else every norm is computed). ``split``
+    (single only): the rows instead of the arrays written, ``(target [B, H, 1], value row
+    [B, H, 1, D], key row, target score [B, H, 1], merges, norms)``."""
+    assert single or not split
+    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single, grouped, reuse, split)
     fn = _FNS.get(cfg)
     if fn is not None:
         return fn
@@ -318,19 +346,27 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
             w = 1.0 / (1.0 + _per_target_sum(target, do.astype(mx.float32), keys.shape[2]))
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
 
-        def blend(x):
+        def row(x):  # single: the target's new row
             xl = mx.take_along_axis(x, evict[..., None], axis=2).astype(mx.float32)
             xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
+            return (xt + w * (xl - xt)).astype(x.dtype)
+
+        def blend(x):
             if single:
-                return mx.put_along_axis(x, target[..., None], (xt + w * (xl - xt)).astype(x.dtype), axis=2)
+                return mx.put_along_axis(x, target[..., None], row(x), axis=2)
+            xl = mx.take_along_axis(x, evict[..., None], axis=2).astype(mx.float32)
+            xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
             return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
 
+        count = do.astype(mx.int32).sum(axis=-1)
+        moved = mx.where(do, s_l, 0.0)
+        if split:
+            krow = row(keys) if merge_keys else target
+            return target, row(values), krow, s_t + moved, count, norms
         new_values = blend(values)
         new_keys = blend(keys) if merge_keys else keys
-        count = do.astype(mx.int32).sum(axis=-1)
         if not transfer_mass:
             return new_keys, new_values, scores, count, norms
-        moved = mx.where(do, s_l, 0.0)
         if single:
             new_scores = mx.put_along_axis(scores, target, s_t + moved, axis=-1)
         else:
