@@ -180,7 +180,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store a step's post-RoPE ``keys``/``values`` ``[B, H, S, D]``; return all stored."""
         self._check_input(keys, values)
-        if self._pending is not None:
+        proxied = self._pending is not None
+        if proxied:
             self._unobserved_step()
         if self._unreduced:
             self.group.reduce_scores()
@@ -223,6 +224,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._undo = None
         v = self.keys_and_values()[1]
         k = self._attended = self._viewed_keys()
+        if proxied:  # no attention wrapper to tie the proxy's scores to the output: tie them to the keys
+            k = mx.depends([k], self.step_arrays())[0]
         return k, v
 
     def _take_tokens(self, b: int, S: int):
@@ -242,19 +245,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             )
             _tokens_warned = True
         return None
-
-    def _seen(self) -> list:
-        """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""
-        if self._pad is None:
-            return self._rows_off
-        return [o - p for o, p in zip(self._rows_off, self._pad)]
-
-    def _take_valid(self, S: int) -> list:
-        if self._new_valid is None:
-            return [S] * len(self._rows_n)
-        out = [min(S, r) for r in self._new_valid]
-        self._new_valid = [r - v for r, v in zip(self._new_valid, out)]
-        return out
 
     def keys_and_values(self):
         if self.keys.shape[2] == self._n:

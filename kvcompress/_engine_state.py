@@ -1,4 +1,4 @@
-"""The engine's input checks, trimming, ``state`` (mlx-lm protocol), memory and diagnostics."""
+"""The engine's input checks, row bookkeeping, trimming, ``state`` (mlx-lm protocol), memory and diagnostics."""
 
 from __future__ import annotations
 
@@ -14,6 +14,19 @@ _STATE_VERSION = 2
 
 
 class _StateMixin:
+    def _seen(self) -> list:
+        """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""
+        if self._pad is None:
+            return self._rows_off
+        return [o - p for o, p in zip(self._rows_off, self._pad)]
+
+    def _take_valid(self, S: int) -> list:
+        if self._new_valid is None:
+            return [S] * len(self._rows_n)
+        out = [min(S, r) for r in self._new_valid]
+        self._new_valid = [r - v for r, v in zip(self._new_valid, out)]
+        return out
+
     def _check_input(self, keys, values):
         if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
             raise TypeError("update_and_fetch expects mx.array keys and values")

@@ -49,3 +49,31 @@ def test_decode_memory_does_not_grow_per_token(method, budget):
     leak = STEPS * 3 * PROMPT * 2 * 32 * 4
     assert SLACK < leak / 4
     assert mem[10 + STEPS] - mem[10] < SLACK, (method, budget, mem)
+
+
+def test_proxy_scored_decode_memory_does_not_grow(monkeypatch):
+    """A model whose attention bypasses mlx-lm's function (key-as-query proxy scores, computed at
+    the next step's update): those scores are tied to the keys the model reads, so the lazy
+    graph spans one step, not the whole generation."""
+    import warnings
+
+    from kvcompress import _engine_attend
+    from test_cache_protocol import _BypassModel
+
+    monkeypatch.setattr(_engine_attend, "_proxy_warned", True)
+    mx.random.seed(0)
+    model = _BypassModel(dim=128, heads=4, n_layers=3)
+    mx.eval(model.parameters())
+    cache = kvcompress.make_prompt_cache(model, "h2o", budget=4096)
+    mx.eval(model(mx.array(np.random.default_rng(4).integers(0, 50, (1, PROMPT)), dtype=mx.int32), cache=cache))
+    tok, mem = mx.array([[1]], dtype=mx.int32), {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(10 + STEPS + 1):
+            tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
+            mx.eval(tok)
+            if i in (10, 10 + STEPS):
+                mx.synchronize()
+                mem[i] = mx.get_active_memory()
+    assert all(c.score_source == "proxy" for c in cache)
+    assert mem[10 + STEPS] - mem[10] < SLACK, mem
