@@ -77,3 +77,28 @@ def test_proxy_scored_decode_memory_does_not_grow(monkeypatch):
                 mem[i] = mx.get_active_memory()
     assert all(c.score_source == "proxy" for c in cache)
     assert mem[10 + STEPS] - mem[10] < SLACK, mem
+
+
+@pytest.mark.parametrize("method", ["h2o", "cam"])
+def test_batch_generator_decode_memory_does_not_grow(method):
+    """The same through mlx-lm's continuous batching (``BatchGenerator``: one batch cache, rows
+    of different lengths), below the budget."""
+    from mlx_lm.generate import BatchGenerator
+
+    model = tiny_llama(n_layers=3, hidden=128, heads=4, kv_heads=2, seed=3)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (PROMPT, PROMPT - 40)]
+    caches = [kvcompress.make_prompt_cache(model, method, budget=4096) for _ in prompts]
+    gen = BatchGenerator(model, max_tokens=10 + STEPS + 5, prefill_step_size=64)
+    gen.insert(prompts, caches=caches)
+    mem, steps = {}, 0
+    for _ in range(10 * STEPS):
+        _, responses = gen.next()
+        steps += bool(responses)
+        if steps in (10, 10 + STEPS) and steps not in mem:
+            mx.synchronize()
+            mem[steps] = mx.get_active_memory()
+        if steps > 10 + STEPS:
+            break
+    gen.close()
+    assert mem[10 + STEPS] - mem[10] < SLACK, mem
