@@ -23,7 +23,7 @@ import os
 import attrs
 import mlx.core as mx
 
-__all__ = ["COMPILE", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
+__all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
 
 #: Whether decode-path functions run ``mx.compile``d (False with ``KVCOMPRESS_NO_COMPILE=1``:
 #: eagerly, e.g. to debug); components with compiled decode functions read this switch too.
@@ -32,6 +32,9 @@ COMPILE = os.environ.get("KVCOMPRESS_NO_COMPILE", "") in ("", "0")
 NEG = -3.0e38
 #: Queries per block: bounds the ``[.., block, T]`` float32 logits of a long chunk.
 QUERY_BLOCK = 256
+#: A chunk whose logits (all blocks) exceed this many floats has its blocks evaluated one at a
+#: time (the bound needs it; below, the blocks stay one lazy graph: no synchronisation)
+EVAL_BLOCKS_ABOVE = 1 << 24
 
 
 def visibility(key_positions: mx.array, query_positions: mx.array) -> mx.array:
@@ -123,10 +126,11 @@ def attention(
     # a causal block never sees the keys after its last query: skip them (unless the mass needs all)
     cut = key_positions is None and isinstance(mask, str) and mask == "causal" and mass is None
     outs, total = [], None
+    settle = b * h_kv * g * (n - start) * t > EVAL_BLOCKS_ABOVE
     for i0 in range(start, n, block):
         i1 = min(i0 + block, n)
         qb = q if (i0, i1) == (0, n) else q[:, :, :, i0:i1]
-        if outs or total is not None:
+        if settle and (outs or total is not None):
             _finish_block(outs[-1] if outs else None, total)
         parts = [e.logits(qb) for e in extra]
         if key_positions is not None:
@@ -186,10 +190,11 @@ def attention(
 
 
 def _finish_block(out, total) -> None:
-    """Evaluate the previous query block before the next is built. MLX allocates an op's output
-    when it dispatches the op, so a lazy graph of blocks (even chained with ``mx.depends``) holds
-    every block's logits at once, which defeats the blocking. Inside ``mx.compile`` nothing can be
-    evaluated: the blocks then stay one lazy graph (same values, more memory)."""
+    """Evaluate the previous query block before the next is built (chunks over
+    :data:`EVAL_BLOCKS_ABOVE` logits). MLX allocates an op's output when it dispatches the op, so
+    a lazy graph of blocks (even chained with ``mx.depends``) holds every block's logits at once,
+    which defeats the blocking. Inside ``mx.compile`` nothing can be evaluated: the blocks then
+    stay one lazy graph (same values, more memory)."""
     try:
         mx.eval([x for x in (out, total) if x is not None])
     except ValueError:  # "[eval] ... during function transformations like compile"

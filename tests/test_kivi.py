@@ -272,8 +272,11 @@ def test_ops_attention_under_mlx_masks_equals_sdpa(mask_kind):
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
 
 
-def test_ops_attention_blocks_run_one_after_another_with_the_same_result():
-    """Query blocks are evaluated one at a time to bound memory; output and mass do not change."""
+@pytest.mark.parametrize("settle", [True, False])
+def test_ops_attention_blocks_run_one_after_another_with_the_same_result(settle, monkeypatch):
+    """Query blocks are evaluated one at a time to bound memory (``settle``: above
+    ``EVAL_BLOCKS_ABOVE`` logits), or stay one lazy graph; output and mass do not change."""
+    monkeypatch.setattr(ops, "EVAL_BLOCKS_ABOVE", 0 if settle else 1 << 40)
     b, h_q, h, n, t, d = 2, 4, 2, 9, 20, 8
     q = mx.random.normal((b, h_q, n, d), key=mx.random.key(63))
     k, v = _kv(b, h, t, d, seed=64)
@@ -290,9 +293,10 @@ def test_ops_attention_blocks_run_one_after_another_with_the_same_result():
             np.testing.assert_allclose(np.array(one[1]), np.array(many[1]), atol=1e-6)
 
 
-def test_ops_attention_blocks_inside_mx_compile():
+def test_ops_attention_blocks_inside_mx_compile(monkeypatch):
     """Inside ``mx.compile`` no block can be evaluated early: the blocks stay one lazy graph
     with the same values (the per-block evaluation is a memory bound, never a requirement)."""
+    monkeypatch.setattr(ops, "EVAL_BLOCKS_ABOVE", 0)
     b, h_q, h, n, t, d = 1, 4, 2, 9, 20, 8
     q = mx.random.normal((b, h_q, n, d), key=mx.random.key(67))
     k, v = _kv(b, h, t, d, seed=68)
