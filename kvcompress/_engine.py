@@ -201,10 +201,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         if self._wants_tokens:
             self._step_tokens = self._take_tokens(b, S)
         valid = self._take_valid(S)
-        need = [  # slots (g per token) each row frees: it keeps budget - 1 old tokens per head
-            max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
-            for n, v, bud in zip(self._rows_n, valid, self._rows_budget)
-        ]
+        need = self._need(valid)
         freed = self._evict(need) if any(need) else None
         if S == 1 and all(self._n - n >= g for n in self._rows_n) and self._n <= max(self._rows_n) + g:
             self._write_into_holes(keys, values, freed, valid)

@@ -46,8 +46,7 @@ class _PlanMixin:
         hooks = self._hooks["disposition"]
         if "plan" not in hooks or self._reduce or self.group.rebudget_pending or self._new_valid is not None:
             return
-        g = self._g
-        need = [max(n - g * (bud - 1), 0) if n + g > g * bud else 0 for n, bud in zip(self._rows_n, self._rows_budget)]
+        need = self._need([1] * len(self._rows_n))
         if not any(need):
             return
         ev = self._eviction(need)

@@ -27,6 +27,13 @@ class _StateMixin:
         self._new_valid = [r - v for r, v in zip(self._new_valid, out)]
         return out
 
+    def _need(self, valid: list) -> list:
+        """Slots (``g`` per token) each row frees before storing ``valid[b]`` new tokens: a row
+        over its budget keeps ``budget - 1`` old tokens per head."""
+        g = self._g
+        return [max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
+                for n, v, bud in zip(self._rows_n, valid, self._rows_budget)]
+
     def _check_input(self, keys, values):
         if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
             raise TypeError("update_and_fetch expects mx.array keys and values")

@@ -52,20 +52,21 @@ def derived_field(**kwargs) -> Any:
 
 def derived_arrays(state) -> list:
     """The arrays a state holds in derived fields (held memory that is not saved)."""
-    if state is None or not attrs.has(type(state)):
-        return []
-    return [getattr(state, f.name) for f in attrs.fields(type(state))
-            if _DERIVED in f.metadata and isinstance(getattr(state, f.name), mx.array)]
+    return _field_arrays(state, lambda f: _DERIVED in f.metadata)
 
 
 def held_arrays(state) -> list:
     """The arrays a state holds in its fields (directly or in a list/tuple), without unstructuring
     it: cheap enough for every step."""
+    return _field_arrays(state, lambda f: True)
+
+
+def _field_arrays(state, which) -> list:
     if state is None or not attrs.has(type(state)):
         return []
     out = []
     for f in attrs.fields(type(state)):
-        x = getattr(state, f.name)
+        x = getattr(state, f.name) if which(f) else None
         if isinstance(x, mx.array):
             out.append(x)
         elif isinstance(x, (list, tuple)):

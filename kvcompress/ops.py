@@ -16,9 +16,8 @@ One mask rule and one masked attention serve the whole project:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
-
 import os
+from typing import Callable, Optional, Sequence
 
 import attrs
 import mlx.core as mx

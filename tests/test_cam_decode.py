@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from kvcompress import make_prompt_cache
 from kvcompress_cam.merge import GatedMerge, MergeState, gate_uniforms
 
-from test_cam import dispose, distinct_evict, make_ev, merges, models, np_, rnd, run  # noqa: F401 (models: fixture)
+from test_cam import dispose, distinct_evict, make_ev, np_, rnd
+from test_cam_cache import merges, models, run  # noqa: F401 (models: fixture)
 
 
 @pytest.mark.parametrize("merge", ["sim_weighted", "mean"])
@@ -36,7 +37,7 @@ def test_compiled_decode_merge_equals_the_eager_one(merge, dtype, monkeypatch):
         ev = make_ev(keys, values, scores, evict, layer=3, draw_id=11, offset=300)
         *arrays, n = dispose(gm, ev)
         outs.append([np_(x) for x in arrays] + [n])
-        fn = merge_mod._FNS[(merge, True, True, 4, True, True, False, False, False)]  # the decode function in use
+        fn = merge_mod._FNS[(merge, True, True, 4, True, True, False, False)]  # the decode function in use
         assert (type(fn).__name__ == "_gc_func") == compiled  # mx.compile's wrapper type
     (kc, vc, sc, nc), (ke, ve, se, ne) = outs
     assert int(nc) == int(ne) > 0
@@ -56,20 +57,20 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
 
     model = models["gqa"]
     seen = []
-    real_merge = GatedMerge._merge_nearest  # (dispose's, and a planned eviction's reads)
+    real_rows = GatedMerge._nearest_rows  # (a decode dispose's, and a planned eviction's reads)
 
-    def spy(self, ev, split=False):
+    def spy(self, ev):
         seen.append(ev.written is not None and isinstance(ev.state, MergeState) and ev.state.norms is not None)
-        return real_merge(self, ev, split)
+        return real_rows(self, ev)
 
-    monkeypatch.setattr(GatedMerge, "_merge_nearest", spy)
+    monkeypatch.setattr(GatedMerge, "_nearest_rows", spy)
 
     def drive(fresh: bool):
         if fresh:  # the cache never says which slots it wrote: every norm is computed
             monkeypatch.setattr(_engine._Engine, "_written_slots", lambda self: None)
         else:
             monkeypatch.undo()
-            monkeypatch.setattr(GatedMerge, "_merge_nearest", spy)
+            monkeypatch.setattr(GatedMerge, "_nearest_rows", spy)
         caches = make_prompt_cache(model, "cam", budget=16)
         out = run(model, caches, batch=batch, n_prompt=40, n_decode=10, chunk=8, seed=3)
         tok = mx.argmax(out[-1][:, -1:], axis=-1)

@@ -13,6 +13,7 @@ from kvcompress.ops import COMPILE, lowest_k
 
 __all__ = ["LowestScoreSelector"]
 
+
 @functools.lru_cache(maxsize=256)
 def _protect_fn(n_sink: int, r: int):
     """``positions < n_sink | positions >= offset - r`` as one compiled kernel (ints baked in)."""

@@ -125,20 +125,15 @@ class GatedMerge:
         return keys, values, scores
 
     def plan(self, ev):
-        """A decode step's nearest-target merge, reads only: ``(target, value row, key row or
-        None, target score or None, merges, norms)``; None where there is no such plan (drop,
-        the window rule, chunks, head groups)."""
+        """A decode step's nearest-target merge, reads only (:meth:`_nearest_rows`); None where
+        there is no such plan (drop, the window rule, chunks, head groups)."""
         if self.merge == "drop" or self.target != "nearest" or ev.evict.shape[-1] != 1 or ev.owner is not None:
             return None
-        return self._merge_nearest(ev, split=True)
+        return self._nearest_rows(ev)
 
     def apply(self, ev, plan):
         """The writes of a :meth:`plan`: the same keys, values, scores and state as dispose."""
-        target, vrow, krow, s_t, done, norms = plan
-        idx = target[..., None]
-        values = mx.put_along_axis(ev.values, idx, vrow, axis=2)
-        keys = ev.keys if krow is None else mx.put_along_axis(ev.keys, idx, krow, axis=2)
-        scores = ev.scores if s_t is None else mx.put_along_axis(ev.scores, target, s_t, axis=-1)
+        keys, values, scores, done, norms = _write_rows(ev, plan)
         self._record(ev, done, norms)
         return keys, values, scores
 
@@ -170,26 +165,36 @@ class GatedMerge:
         """``(target [B,H,E] int32, cos [B,H,E] float32, has_target [B,H,E] bool)``."""
         return _nearest_target(keys, positions, evict, self.n_sink, real, owner)[:3]
 
-    def _merge_nearest(self, ev, split: bool = False):
-        single = ev.evict.shape[-1] == 1  # decode: one loser, one target -> row update, no scatter
+    def _merge_nearest(self, ev):
+        if ev.evict.shape[-1] == 1:  # decode: one loser, one target -> row updates, no scatter
+            return _write_rows(ev, self._nearest_rows(ev))
         grouped = ev.owner is not None
-        # decode: the key norms of the last eviction, redone only for the slots written since
-        # (unless merged keys change them); None: every norm computed afresh
+        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, False,
+                               grouped)
+        real = ev.real if ev.real is not None else mx.array(True)
+        owner = ev.owner if grouped else ev.positions  # (unused without head groups)
+        *out, _ = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, ev.offset, self._draw_inputs(ev),
+                     owner, ev.scores, ev.evict)
+        return (*out, None)
+
+    def _nearest_rows(self, ev):
+        """One loser per row and head: ``(target [B, H, 1], value row [B, H, 1, D], key row or
+        None, target score [B, H, 1] or None, merges [B, H], norms or None)`` -- what the merge
+        writes (None: left as is), from the compiled function. The key norms of the last eviction
+        are redone only for the slots written since (unless merged keys change them)."""
+        grouped = ev.owner is not None
         prev = ev.state.norms if isinstance(ev.state, MergeState) else None
-        reuse = single and not self.merge_keys and ev.written is not None and prev is not None and (
+        reuse = not self.merge_keys and ev.written is not None and prev is not None and (
             prev.shape == ev.positions.shape)
-        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, single,
-                               grouped, reuse, split)
+        fn = _nearest_merge_fn(self.merge, self.merge_gate, self.merge_keys, self.n_sink, self.transfer_mass, True,
+                               grouped, reuse)
         real = ev.real if ev.real is not None else mx.array(True)
         owner = ev.owner if grouped else ev.positions  # (unused without head groups)
         norms = (prev, ev.written) if reuse else (ev.scores, ev.evict)  # (unused without reuse)
-        *out, norms = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real, ev.offset, self._draw_inputs(ev),
-                         owner, *norms)
-        norms = norms if single and not self.merge_keys else None
-        if split:  # (target, value row, key row, target score, merges, norms)
-            target, vrow, krow, s_t, done = out
-            return (target, vrow, krow if self.merge_keys else None, s_t if self.transfer_mass else None, done, norms)
-        return (*out, norms)
+        target, vrow, krow, s_t, done, norms = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real,
+                                                  ev.offset, self._draw_inputs(ev), owner, *norms)
+        return (target, vrow, krow if self.merge_keys else None, s_t if self.transfer_mass else None, done,
+                None if self.merge_keys else norms)
 
     # -- the paper's rule: the next m kept tokens --------------------------------------------
 
@@ -307,16 +312,26 @@ def _per_target_sum(target, x, t: int):
     return mx.take_along_axis(acc, target, axis=-1)
 
 
+def _write_rows(ev, rows):
+    """``(keys, values, scores, merges, norms)``: the rows of :meth:`GatedMerge._nearest_rows`
+    written into the stored arrays."""
+    target, vrow, krow, s_t, done, norms = rows
+    idx = target[..., None]
+    values = mx.put_along_axis(ev.values, idx, vrow, axis=2)
+    keys = ev.keys if krow is None else mx.put_along_axis(ev.keys, idx, krow, axis=2)
+    scores = ev.scores if s_t is None else mx.put_along_axis(ev.scores, target, s_t, axis=-1)
+    return keys, values, scores, done, norms
+
+
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
-                      single: bool, grouped: bool = False, reuse: bool = False, split: bool = False) -> Callable:
+                      single: bool, grouped: bool = False, reuse: bool = False) -> Callable:
     """``f(keys, values, scores, positions, evict, real, offset, draw_keys, owner, prev_norms,
-    written) -> (keys, values, scores, merges [B, H], norms [B, H, T])`` for one configuration;
-    compiled when ``single`` (decode). ``reuse``: ``prev_norms`` hold every slot's key norm but
-    those of the ``written`` slots, which are redone (else every norm is computed). ``split``
-    (single only): the rows instead of the arrays written, ``(target [B, H, 1], value row
-    [B, H, 1, D], key row, target score [B, H, 1], merges, norms)``."""
-    assert single or not split
-    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single, grouped, reuse, split)
+    written)`` for one configuration. Several losers per row (a chunk): ``-> (keys, values,
+    scores, merges [B, H], norms)``. ``single`` (one loser, decode; compiled): the rows the merge
+    writes, ``-> (target [B, H, 1], value row [B, H, 1, D], key row, target score [B, H, 1],
+    merges, norms [B, H, T])``. ``reuse``: ``prev_norms`` hold every slot's key norm but those of
+    the ``written`` slots, which are redone (else every norm is computed)."""
+    cfg = (merge, gate, merge_keys, n_sink, transfer_mass, single, grouped, reuse)
     fn = _FNS.get(cfg)
     if fn is not None:
         return fn
@@ -346,32 +361,25 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
             w = 1.0 / (1.0 + _per_target_sum(target, do.astype(mx.float32), keys.shape[2]))
         w = mx.where(do, w, 0.0)[..., None]  # [B,H,E,1]
 
-        def row(x):  # single: the target's new row
+        def delta(x):  # w (x_l - x_t) in float32, and x_t
             xl = mx.take_along_axis(x, evict[..., None], axis=2).astype(mx.float32)
             xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
-            return (xt + w * (xl - xt)).astype(x.dtype)
+            return w * (xl - xt), xt
+
+        def row(x):  # one loser: the target's new row
+            d, xt = delta(x)
+            return (xt + d).astype(x.dtype)
 
         def blend(x):
-            if single:
-                return mx.put_along_axis(x, target[..., None], row(x), axis=2)
-            xl = mx.take_along_axis(x, evict[..., None], axis=2).astype(mx.float32)
-            xt = mx.take_along_axis(x, target[..., None], axis=2).astype(mx.float32)
-            return _scatter_add(x.astype(mx.float32), target, w * (xl - xt)).astype(x.dtype)
+            return _scatter_add(x.astype(mx.float32), target, delta(x)[0]).astype(x.dtype)
 
         count = do.astype(mx.int32).sum(axis=-1)
         moved = mx.where(do, s_l, 0.0)
-        if split:
-            krow = row(keys) if merge_keys else target
-            return target, row(values), krow, s_t + moved, count, norms
-        new_values = blend(values)
+        if single:  # (a placeholder array where merge_keys is off: compiled outputs are arrays)
+            return target, row(values), row(keys) if merge_keys else target, s_t + moved, count, norms
         new_keys = blend(keys) if merge_keys else keys
-        if not transfer_mass:
-            return new_keys, new_values, scores, count, norms
-        if single:
-            new_scores = mx.put_along_axis(scores, target, s_t + moved, axis=-1)
-        else:
-            new_scores = _scatter_add(scores, target, moved)
-        return new_keys, new_values, new_scores, count, norms
+        new_scores = _scatter_add(scores, target, moved) if transfer_mass else scores
+        return new_keys, blend(values), new_scores, count, norms
 
     fn = mx.compile(merge_fn) if (single and _COMPILE) else merge_fn
     _FNS[cfg] = fn
