@@ -1,0 +1,60 @@
+"""``kvcompress.ops.attention``, the one masked float32 attention (with mass) that the cache,
+SnapKV's window and KIVI share: mlx-lm's attention under its masks, query blocks (evaluated one
+at a time above ``EVAL_BLOCKS_ABOVE`` logits, or lazy), and inside ``mx.compile``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcompress import ops
+
+from test_kivi import _kv
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool_heads", "bool_rows"])
+def test_ops_attention_under_mlx_masks_equals_sdpa(mask_kind):
+    """``ops.attention(mask=...)`` (no positions) is mlx-lm's attention under the same mask."""
+    b, h_q, h_kv, n, t, d = 2, 4, 2, 5, 11, 16
+    q = mx.random.normal((b, h_q, n, d), key=mx.random.key(60))
+    k, v = _kv(b, h_kv, t, d, seed=61)
+    r = mx.random.uniform(shape=(b, h_q, n, t), key=mx.random.key(62)) > 0.3
+    mask = {"none": None, "causal": "causal", "bool_heads": r, "bool_rows": r[:, :1]}[mask_kind]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    for block in (2, 256):
+        got, _ = ops.attention(q, k, v, 0.3, mask=mask, block=block)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_ops_attention_blocks_run_one_after_another_with_the_same_result(settle, monkeypatch):
+    """Query blocks are evaluated one at a time to bound memory (``settle``: above
+    ``EVAL_BLOCKS_ABOVE`` logits), or stay one lazy graph; output and mass do not change."""
+    monkeypatch.setattr(ops, "EVAL_BLOCKS_ABOVE", 0 if settle else 1 << 40)
+    b, h_q, h, n, t, d = 2, 4, 2, 9, 20, 8
+    q = mx.random.normal((b, h_q, n, d), key=mx.random.key(63))
+    k, v = _kv(b, h, t, d, seed=64)
+    pos = mx.broadcast_to(mx.arange(t, dtype=mx.int32), (b, h, t))
+    pos = mx.where(mx.random.uniform(shape=(b, h, t), key=mx.random.key(65)) < 0.2, -1, pos)
+    qpos = mx.array([15, 18], mx.int32).reshape(2, 1, 1) + mx.arange(n, dtype=mx.int32).reshape(1, 1, n) - n
+    w = (mx.random.uniform(shape=(b, 1, n), key=mx.random.key(66)) > 0.3).astype(mx.float32)
+    for mass in (None, "group", "heads"):
+        one = ops.attention(q, k, v, 0.3, pos, qpos, mass=mass, query_weight=w)
+        many = ops.attention(q, k, v, 0.3, pos, qpos, mass=mass, query_weight=w, block=2)
+        # the same values up to float32 rounding (a BLAS may pick another kernel for fewer rows)
+        np.testing.assert_allclose(np.array(one[0]), np.array(many[0]), atol=1e-6, rtol=1e-6)
+        if mass:
+            np.testing.assert_allclose(np.array(one[1]), np.array(many[1]), atol=1e-6)
+
+
+def test_ops_attention_blocks_inside_mx_compile(monkeypatch):
+    """Inside ``mx.compile`` no block can be evaluated early: the blocks stay one lazy graph
+    with the same values (the per-block evaluation is a memory bound, never a requirement)."""
+    monkeypatch.setattr(ops, "EVAL_BLOCKS_ABOVE", 0)
+    b, h_q, h, n, t, d = 1, 4, 2, 9, 20, 8
+    q = mx.random.normal((b, h_q, n, d), key=mx.random.key(67))
+    k, v = _kv(b, h, t, d, seed=68)
+    eager = ops.attention(q, k, v, 0.3, mask="causal", block=2)[0]
+    compiled = mx.compile(lambda q, k, v: ops.attention(q, k, v, 0.3, mask="causal", block=2)[0])(q, k, v)
+    np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-6, rtol=1e-6)
