@@ -5,23 +5,19 @@
   allocation step of the budget (exactly the budget, constant, with the ``lowest`` selector).
 * Save/load round trip: a restored cache continues with identical logits and diagnostics; mixed
   lists with plain mlx-lm caches load too.
-* ``trim`` is exact within the last step (before or after eviction: the cache is then what it
-  would be had the trimmed tokens never been fed) and raises, changing nothing, beyond it.
+* ``trim``: tests/test_trim.py.
 * Decode holds the budget; sinks and the recent window always stay; positions are unique per
   head.
 * Bad input raises and leaves the cache untouched; impossible budgets fail at creation.
-* Scores come from the real queries when the attention wrapper is installed, and from the
-  key-as-query proxy (with a RuntimeWarning) when the model's attention bypasses it.
+* Real queries vs the key-as-query proxy: tests/test_real_queries.py.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 
 import attrs
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
@@ -29,9 +25,8 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
-import kvcompress._engine_attend as kvc_engine
 from conftest import assert_step_accounting, make_caches, tiny_llama
-from kvcompress import CompressedKVCache, ConfigError, KVCompressError
+from kvcompress import CompressedKVCache, ConfigError
 from kvcompress._state import derived_arrays, flatten_state
 
 METHODS = sorted(kvcompress.get_registry().methods)
@@ -305,185 +300,6 @@ def test_save_load_empty_cache(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. trim
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_within_the_last_step_behaves_like_kvcache(method):
-    """Before any eviction, trimming tokens of the last step is KVCache's trim: the same offset
-    and stored tokens, and re-fed tokens give the same logits (speculative decoding's undo)."""
-    model = fresh_tiny()
-    tokens = token_ids(30, seed=7, batch=2)
-    cache = kvcompress.make_prompt_cache(model, method, budget=4096)
-    ref = [KVCache() for _ in model.layers]
-    feed(model, cache, tokens[:, :20], step=10)  # steps of 10: the last step holds tokens 10..19
-    feed(model, ref, tokens[:, :20], step=10)
-    assert mlx_cache.can_trim_prompt_cache(cache)
-    assert all(c.can_trim(n) for c in cache for n in (0, 1, 5, 10))
-    assert mlx_cache.trim_prompt_cache(cache, 5) == mlx_cache.trim_prompt_cache(ref, 5) == 5
-    for c in cache:
-        g = max(c._g, 1)
-        assert c.offset == c.size() == c.tokens_kept == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15 * g
-        assert (positions(c) == np.arange(15)).all()
-    # speculative-decoding style: re-feed different tokens at the trimmed positions
-    a = feed(model, cache, tokens[:, 20:30], step=4)
-    b = feed(model, ref, tokens[:, 20:30], step=4)
-    assert mx.array_equal(a, b)
-    assert all(c.evictions == 0 for c in cache)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_beyond_the_last_step_raises_and_changes_nothing(method):
-    """Older tokens already shaped scores (and, after eviction, what was evicted): trimming into
-    them raises before anything changes, and the cache continues as if never asked."""
-    model = fresh_tiny()
-    cache = make_caches(model, method, 10)
-    twin = make_caches(model, method, 10)
-    tokens = token_ids(3 * max(c.budget for c in cache) + 3, seed=8)
-    n = tokens.shape[1] - 3
-    for cc in (cache, twin):
-        feed(model, cc, tokens[:, :n], step=8)
-        mx.eval(model(tokens[:, n : n + 1], cache=cc))  # a one-token step: only it can leave
-    assert all(c.evictions > 0 for c in cache)
-    before = [snapshot(c) for c in cache]
-    assert mlx_cache.can_trim_prompt_cache(cache)  # is_trimmable: mlx-lm accepts the cache
-    for c, s in zip(cache, before):
-        assert c.is_trimmable() and c.can_trim(1) and not c.can_trim(2)
-        with pytest.raises(KVCompressError, match="cannot trim 2 token"):
-            c.trim(2)
-        assert_same_snapshot(snapshot(c), s)
-    with pytest.raises(KVCompressError):
-        mlx_cache.trim_prompt_cache(cache, 5)
-    for c, s in zip(cache, before):
-        assert_same_snapshot(snapshot(c), s)
-    rest = tokens[:, n + 1 :]
-    for x, y in zip(_continue(model, cache, rest), _continue(model, twin, rest)):
-        assert mx.array_equal(x, y)
-
-
-def _drive_direct(c, rng, steps):
-    """Feed ``steps`` (token counts) of random keys/values and real queries straight to a cache."""
-    for s in steps:
-        k = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
-        v = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
-        q = mx.array(rng.standard_normal((1, 4, s, 16)).astype(np.float32) * 3)
-        c.update_and_fetch(k, v)
-        c.observe(q, 0.25)
-
-
-def _canonical(c):
-    """What a cache holds, independent of its slot layout: per (row, head) the held slots sorted
-    by position -- ``(positions, keys, values, scores)`` -- plus the component state arrays and
-    the metadata without the group id (which is per prompt)."""
-    *_, text = c.state
-    meta = json.loads(text)
-    for k in ("group", "n"):
-        meta.pop(k)
-    k, v, pos, score = (np.array(x.astype(mx.float32)) for x in c.head_view())
-    pos = pos.astype(np.int32)
-    order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max), axis=-1)
-    if c._g <= 1:
-        order = order[..., : c.tokens_kept]
-    held = (
-        np.take_along_axis(pos, order, -1),
-        np.take_along_axis(k, order[..., None], 2),
-        np.take_along_axis(v, order[..., None], 2),
-        np.take_along_axis(score, order, -1),
-    )
-    return held, [np.array(a) for a in component_state_arrays(c)], meta
-
-
-def _assert_same_cache(a, b):
-    """The same tokens at the same positions with the same keys, values and component state;
-    scores (and merged values) equal up to float32 summation order: a slot layout that differs
-    sums the softmax, and the losers merged into one target, in another order. Without merges
-    the keys and values are the fed ones, bit for bit."""
-    (pa, ka, va, sa), xa, ma = _canonical(a)
-    (pb, kb, vb, sb), xb, mb = _canonical(b)
-    assert ma == mb
-    assert np.array_equal(pa, pb)
-    np.testing.assert_allclose(ka, kb, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(va, vb, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(sa, sb, rtol=1e-5, atol=1e-6)
-    if a.method.config.disposition.name != "gated_merge":
-        assert np.array_equal(ka, kb) and np.array_equal(va, vb)
-    assert len(xa) == len(xb) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(xa, xb))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_after_eviction_is_exact_within_the_last_step(method):
-    """Fed a step of S tokens and trimmed by k < S, a cache that has evicted holds what the cache
-    fed only the first S - k tokens holds (scores re-observed from the remaining queries), and
-    both continue alike; fully trimming a decode step leaves a freed slot that the next token
-    reuses, after which it is again the cache that never saw the trimmed token."""
-    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
-
-    def pair():
-        out = []
-        for _ in range(2):
-            (c,) = make_caches(model, method, 10)
-            rng = np.random.default_rng(0)
-            _drive_direct(c, rng, [c.budget + 2] * 3)  # over budget: evictions happened
-            for _ in range(24):  # decode until the cache is full (chunk selectors free whole chunks)
-                _drive_direct(c, rng, [1])
-                if c.tokens_kept == c.budget:
-                    break
-            out.append(c)
-        assert out[0].evictions > 0 and out[0].tokens_kept == out[0].budget
-        return out
-
-    for S, k in ((6, 2), (6, 5), (16, 9)):
-        a, b = pair()
-        rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
-        _drive_direct(a, rng_a, [S])
-        assert a.can_trim(k)
-        assert a.trim(k) == k
-        ka = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
-        va = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
-        qa = mx.array(rng_b.standard_normal((1, 4, S, 16)).astype(np.float32) * 3)
-        b.update_and_fetch(ka[:, :, : S - k], va[:, :, : S - k])
-        b.observe(qa[:, :, : S - k], 0.25)
-        assert a.offset == b.offset and a.tokens_kept == b.tokens_kept and a.evictions == b.evictions
-        _assert_same_cache(a, b)
-        _drive_direct(a, np.random.default_rng(2), [3, 1, 1])
-        _drive_direct(b, np.random.default_rng(2), [3, 1, 1])
-        _assert_same_cache(a, b)
-
-    # a decode step at full budget, fully trimmed: its eviction stays, its slot is freed
-    a, b = pair()
-    assert a.tokens_kept == a.budget  # full: the decode step evicts
-    _drive_direct(a, np.random.default_rng(3), [1])
-    assert a.trim(1) == 1 and a.offset == b.offset
-    gone = a.evictions - b.evictions
-    assert gone >= 1 and a.tokens_kept == a.budget - gone
-    g, slots = max(a._g, 1), np.array(a._pos)  # storage rows: g slots per token with head groups
-    assert ((slots == -1).sum(-1) == g * (a.size() - a.tokens_kept)).all()
-    if "evict_count" not in a._hooks["selector"]:  # one slot freed and reused, then trimmed
-        assert ((slots == -1).sum(-1) == g).all() and a.size() == a.budget
-    _drive_direct(a, np.random.default_rng(4), [1, 1, 2, 1])
-    _drive_direct(b, np.random.default_rng(4), [1, 1, 2, 1])
-    _assert_same_cache(a, b)
-
-
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "streaming_llm", "knorm"])
-def test_a_long_step_is_trimmable_only_whole_when_scores_need_its_queries(method):
-    """Steps of more than 16 tokens keep no queries to re-observe with: a query-scored cache can
-    only drop such a step whole; a query-free scorer re-scores without them."""
-    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
-    (c,) = make_caches(model, method, 10)
-    _drive_direct(c, np.random.default_rng(0), [12, 12, 20])
-    queries = "queries" in c.method.scorer.requires
-    assert c.can_trim(20) and c.can_trim(3) == (not queries)
-    if queries:
-        before = snapshot(c)
-        with pytest.raises(KVCompressError):
-            c.trim(3)
-        assert_same_snapshot(snapshot(c), before)
-    assert c.trim(20) == 20 and c.offset == 24
-
-
-# ------------------------------------------------------------------------------------------------
 # 8. decode holds the budget, sinks stay, positions unique
 # ------------------------------------------------------------------------------------------------
 
@@ -643,148 +459,3 @@ def test_non_positive_or_non_int_budget_raises(budget):
     method = kvcompress.build_method("h2o", n_sink=0, recent_ratio=0.0)
     with pytest.raises(ConfigError, match="budget"):
         CompressedKVCache(method, budget)
-
-
-# ------------------------------------------------------------------------------------------------
-# 12. real queries vs the key-as-query proxy
-# ------------------------------------------------------------------------------------------------
-
-
-class _BypassAttention(nn.Module):
-    """Attention that calls ``mx.fast.scaled_dot_product_attention`` directly (not mlx-lm's)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.n_heads = self.n_kv_heads = heads
-        self.head_dim = dim // heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.o = nn.Linear(dim, dim, bias=False)
-
-    def __call__(self, x, cache):
-        b, n, _ = x.shape
-        q, k, v = (t.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3) for t in mx.split(self.qkv(x), 3, -1))
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=1e4, scale=1.0, offset=cache.offset)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=1e4, scale=1.0, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5,
-                                                 mask="causal" if n > 1 else None)
-        return self.o(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
-
-
-class _Block(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.self_attn = _BypassAttention(dim, heads)
-
-    def __call__(self, x, cache):
-        return x + self.self_attn(x, cache)
-
-
-class _BypassModel(nn.Module):
-    def __init__(self, vocab=50, dim=32, heads=4, n_layers=2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = [_Block(dim, heads) for _ in range(n_layers)]
-
-    def __call__(self, tokens, cache):
-        h = self.embed(tokens)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.embed.as_linear(h)
-
-
-@pytest.fixture
-def fresh_proxy_warning(monkeypatch):
-    """The proxy warning is issued once per process; let this test see it."""
-    monkeypatch.setattr(kvc_engine, "_proxy_warned", False)
-
-
-def test_bypassing_attention_falls_back_to_proxy_with_warning(fresh_proxy_warning):
-    mx.random.seed(0)
-    model = _BypassModel()
-    mx.eval(model.parameters())
-    cache = kvcompress.make_prompt_cache(model, "h2o", budget=8, n_sink=1, recent_ratio=0.0)
-    assert not kvcompress.is_installed(model)
-    tokens = token_ids(20, vocab=50, seed=10)
-    with pytest.warns(RuntimeWarning, match="proxy"):
-        feed(model, cache, tokens[:, :12], step=6)
-    for i in range(12, 20):
-        model(tokens[:, i : i + 1], cache=cache)
-    for c in cache:
-        assert c.score_source == "proxy" and c.diagnostics["score_source"] == "proxy"
-        assert c.evictions > 0 and c.size() == 8
-        assert float(c._score.sum()) > 0  # the proxy did score
-
-
-def test_direct_update_without_observe_uses_proxy(fresh_proxy_warning):
-    c = CompressedKVCache(kvcompress.build_method("h2o", budget=4, n_sink=1, recent_ratio=0.0), 4)
-    c.update_and_fetch(*_kv(s=3, seed=1))
-    assert c.score_source == "none"
-    with pytest.warns(RuntimeWarning, match="scaled_dot_product_attention"):
-        c.update_and_fetch(*_kv(s=1, seed=2))
-    assert c.score_source == "proxy"
-    # the proxy scored the first 3 slots with causal key-as-query attention: each key row sums to 1
-    assert np.allclose(np.array(c._score[..., :3]).sum(-1), 3.0, atol=1e-5)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_wrapper_installed_by_make_prompt_cache_uses_real_queries(method):
-    model = tiny_llama(seed=11)
-    cache = make_caches(model, method, 8)
-    assert kvcompress.is_installed(model)
-    n = 2 * max(c.budget for c in cache) + 4
-    tokens = token_ids(n, seed=12)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        feed(model, cache, tokens, step=n // 4)
-        feed(model, cache, token_ids(5, seed=13), step=1)
-    for c in cache:
-        assert c.score_source == "queries" and c.evictions > 0
-        assert c._proxy_steps == 0 and c._query_steps == len(range(0, n, n // 4)) + 5
-
-
-def test_fused_chunk_attention_matches_sdpa_and_seeds_the_mass():
-    """A compressing prefill chunk computes attention and H2O mass from one softmax
-    (:func:`kvcompress.ops.attention`): the output equals mlx's fast attention and the mass
-    equals the separate blockwise computation."""
-    from kvcompress import ops
-
-    mx.random.seed(3)
-    q = mx.random.normal((2, 8, 37, 16))
-    k = mx.random.normal((2, 2, 90, 16))
-    v = mx.random.normal((2, 2, 90, 16))
-    kpos = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 2, 90))
-    qpos = mx.arange(53, 90, dtype=mx.int32).reshape(1, 1, 37)
-    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
-    out, mass = ops.attention(q, k, v, 0.25, kpos, qpos, mass="group", block=16)
-    assert mx.allclose(out, ref, atol=1e-5).item()
-    assert mx.allclose(mass, ops.attention_mass(q, k, 0.25, kpos, qpos), atol=1e-5).item()
-    assert mx.allclose(mass.sum(-1), mx.full((2, 2), 37.0), atol=1e-3).item()  # each query sums to 1
-
-
-def test_compressing_chunk_seeds_the_scorer_with_the_fused_mass(monkeypatch):
-    """Inside a model, a compressing chunk of an h2o cache takes the fused path (the mass is
-    handed to the scorer, not recomputed) and its output equals the plain path's."""
-    from kvcompress import ops
-
-    model = fresh_tiny()
-    tokens = token_ids(40, seed=14)
-    fused = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
-    plain = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
-    for c in plain:
-        c._wants_mass = False  # the plain sdpa path: the scorer computes its own mass
-    calls = []
-    original = ops.attention
-
-    def spy(*args, **kw):
-        calls.append(args[2] is not None and kw.get("mass") == "group")  # output and mass at once
-        return original(*args, **kw)
-
-    monkeypatch.setattr(ops, "attention", spy)
-    a = feed(model, fused, tokens, step=10)
-    assert sum(calls) == 3 * len(model.layers)  # chunks 2-4 compress; the first does not
-    b = feed(model, plain, tokens, step=10)
-    assert float(mx.abs(a - b).max()) < 1e-4
-    for x, y in zip(fused, plain):
-        assert np.array_equal(positions(x), positions(y))
-        np.testing.assert_allclose(np.array(x._score), np.array(y._score), rtol=1e-4, atol=1e-5)

@@ -58,7 +58,7 @@ def test_proxy_scored_decode_memory_does_not_grow(monkeypatch):
     import warnings
 
     from kvcompress import _engine_attend
-    from test_cache_protocol import _BypassModel
+    from test_real_queries import _BypassModel
 
     monkeypatch.setattr(_engine_attend, "_proxy_warned", True)
     mx.random.seed(0)
