@@ -51,6 +51,12 @@ def tiny_model():
     return tiny_llama()
 
 
+@pytest.fixture(scope="module")
+def model():
+    """The regression tests' tiny Llama (``test_regressions_*.py``), one per test module."""
+    return tiny_llama(n_layers=2, hidden=32, heads=4, kv_heads=2, vocab=97, seed=0)
+
+
 @pytest.fixture(scope="session")
 def stories_model():
     """The trained stories260K model and tokenizer; skips when the folder is absent."""

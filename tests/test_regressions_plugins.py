@@ -1,0 +1,88 @@
+"""Regression tests for the component contract plugins write against: keyword-only contexts and
+misspelled optional hooks rejected at registration. Each test's docstring names the bug it catches."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+
+import attrs
+import mlx.core as mx
+import pytest
+
+import kvcompress
+
+
+# ------------------------------------------------------------------------------------------
+# Component contract
+# ------------------------------------------------------------------------------------------
+
+
+def test_selection_and_eviction_are_keyword_only():
+    """Bug: ``Selection`` / ``Eviction`` (and the other contexts) could be built positionally,
+    so a plugin written against one field order silently passed scores as positions after a
+    field was added. They are keyword-only now."""
+    for cls in (kvcompress.Selection, kvcompress.Eviction, kvcompress.Observation):
+        kinds = {p.kind for p in inspect.signature(cls).parameters.values()}
+        assert kinds == {inspect.Parameter.KEYWORD_ONLY}, (cls.__name__, kinds)
+    z = mx.zeros((1, 1, 4))
+    with pytest.raises(TypeError):
+        kvcompress.Selection(z, z.astype(mx.int32), z > 0, 1, 4, z, (4,), kvcompress.LayerInfo())
+    sel = kvcompress.Selection(scores=z, positions=z.astype(mx.int32), protected=z > 0, n_evict=1, budget=4,
+                               offset=z, offsets=(4,), layer=kvcompress.LayerInfo())
+    assert sel.n_evict == 1
+
+
+def _plugin(kind: str, name: str, cls) -> types.SimpleNamespace:
+    hook = f"kvcompress_{kind}s"
+
+    @kvcompress.hookimpl(specname=hook)
+    def provide():
+        return [kvcompress.ComponentSpec(kind, name, cls, "test component")]
+
+    return types.SimpleNamespace(provide=provide)
+
+
+def _scorer(**methods):
+    return attrs.frozen(type("S", (), {"requires": frozenset(), "provides": frozenset(),
+                                       "observe": lambda self, scores, obs: scores, **methods}))
+
+
+def _selector(**methods):
+    return attrs.frozen(type("L", (), {"requires": frozenset(), "provides": frozenset(),
+                                       "reserved": lambda self, b: 0, "protected": lambda self, p, o, b: p < 0,
+                                       "select": lambda self, sel: None, **methods}))
+
+
+def _disposition(**methods):
+    return attrs.frozen(type("D", (), {"requires": frozenset(), "provides": frozenset(),
+                                       "dispose": lambda self, ev: (ev.keys, ev.values, ev.scores), **methods}))
+
+
+@pytest.mark.parametrize("kind, make, hook", [
+    ("scorer", _scorer, "init_sate"),
+    ("disposition", _disposition, "view_key"),
+    ("selector", _selector, "evict_cont"),
+    ("scorer", _scorer, "diagnostic"),
+])
+def test_misspelled_optional_hook_is_rejected_when_registered(kind, make, hook):
+    """Bug: the cache looked optional hooks up with ``getattr``, so a component whose method was
+    a near miss of a hook name (``init_sate``, ``view_key``, ``evict_cont``) registered fine and
+    its hook was silently never called. Such a plugin is now reported as failed (a PluginError
+    in strict mode); correctly named hooks are accepted."""
+    bad = make(**{hook: lambda self, *a: None})
+    with pytest.warns(RuntimeWarning, match=hook):
+        reg = kvcompress.Registry(entry_points=False, plugins=[("bad", _plugin(kind, "bad_one", bad))], strict=False)
+    assert [p.name for p in reg.failed()] == ["bad"]
+    assert "bad_one" not in reg.components[kind]
+    with pytest.raises(kvcompress.PluginError, match=hook):
+        kvcompress.Registry(entry_points=False, plugins=[("bad", _plugin(kind, "bad_one", bad))], strict=True)
+
+    good_hooks = {"scorer": ("init_state", "diagnostics"), "disposition": ("view_keys", "init_state"),
+                  "selector": ("evict_count", "take_rows")}[kind]
+    good = make(**{h: lambda self, *a: None for h in good_hooks}, _private_helper=lambda self: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = kvcompress.Registry(entry_points=False, plugins=[("good", _plugin(kind, "good_one", good))], strict=True)
+    assert "good_one" in reg.components[kind] and not reg.failed()
