@@ -1,0 +1,95 @@
+"""Smoke tests of the scaling benchmark (speed and memory against context) at tiny sizes: every
+method, context and baseline runs, bounded caches stay flat while the full one grows, the
+summary ratios and table are sane, and bad settings are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import kvcompress
+
+TINY_SCALING = dict(
+    contexts=(160, 320), budgets=(64,), decode_tokens=4, decode_block=2, sync_tokens=2, prefill_step_size=32,
+    n_layers=2,
+    hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate=128, vocab=128, warmup=False,
+)
+
+
+@pytest.fixture(scope="module")
+def scaling_payload():
+    from kvcompress.bench import scaling
+
+    return scaling.run_scaling(scaling.ScalingSettings(**TINY_SCALING))
+
+
+def test_scaling_covers_every_method_context_and_baseline(scaling_payload):
+    reg = kvcompress.get_registry()
+    res = scaling_payload["results"]
+    assert scaling_payload["errors"] == []
+    kinds = {r["kind"] for r in res}
+    assert kinds == set(reg.methods) | {"rotating", "full"}
+    for kind in kinds:
+        assert sorted(r["context"] for r in res if r["kind"] == kind) == [160, 320]
+    for r in res:
+        assert r["decode_ms"] > 0 and r["prefill_s"] > 0
+        # every decoded token (the first token, 4 pipelined + 2 synchronous per checkpoint) stays
+        # in the context
+        assert r["tokens_seen"] == r["context"] + (7 if r["context"] == 160 else 14)
+        assert r["decode_ms_sync"] > 0
+        assert r["peak_bytes"] >= scaling_payload["weights_bytes"] + r["cache_bytes"]
+        assert r["live_bytes"] <= r["cache_bytes"]
+        if r["kind"] != "rotating":
+            assert len(r["decode_ratio_blocks"]) == 2 and all(x > 0 for x in r["decode_ratio_blocks"])
+            assert r["decode_ratio_sync"] > 0
+
+
+def test_scaling_bounded_caches_stay_flat_and_full_grows(scaling_payload):
+    reg = kvcompress.get_registry()
+    by = {(r["kind"], r["context"]): r for r in scaling_payload["results"]}
+    full_small, full_big = by[("full", 160)], by[("full", 320)]
+    assert full_big["stored_tokens"] == full_big["tokens_seen"]
+    assert full_big["live_bytes"] == full_small["live_bytes"] * 334 // 167
+    for kind in [*reg.methods, "rotating"]:
+        if kind in reg.methods and reg.methods[kind].spec.disposition == "kivi_quant":
+            # quantized tokens are kept: bytes grow, but slower than the full cache's
+            grow = by[(kind, 320)]["live_bytes"] - by[(kind, 160)]["live_bytes"]
+            assert 0 < grow < full_big["live_bytes"] - full_small["live_bytes"], kind
+            continue
+        # past every layer's budget (pyramids give the first layer up to ~2x) the held bytes do
+        # not grow with the context (chunk selectors hold a few tokens less, varying with the cut)
+        assert 0.9 <= by[(kind, 320)]["cache_bytes"] / by[(kind, 160)]["cache_bytes"] <= 1.02, kind
+        assert by[(kind, 320)]["live_bytes"] < full_small["live_bytes"], kind
+
+
+def test_scaling_summary_ratios_and_table(scaling_payload, tmp_path):
+    from kvcompress.bench import scaling
+
+    summ = {r["kind"]: r for r in scaling_payload["summary"]}
+    assert set(summ) == {r["kind"] for r in scaling_payload["results"]}
+    for kind, r in summ.items():
+        assert r["context"] == 320
+        if kind == "rotating":
+            continue
+        for key in ("decode_ratio", "decode_ratio_sync", "prefill_ratio", "cache_ratio", "peak_ratio"):
+            assert r[key] > 0 and math.isfinite(r[key]), (kind, key)
+        if kind != "full":
+            assert r["decode_target_met"] == (r["decode_ratio"] >= 0.9)
+    assert summ["full"]["cache_ratio"] > 1.5  # 320 + 14 tokens against a 64-token window
+    cols, rows = scaling.summary_table(scaling_payload)
+    assert len(rows) == len(summ) and all(len(r) == len(cols) for r in rows)
+    assert "| cache |" in scaling.markdown_report(scaling_payload)
+    png = scaling.plot_scaling(scaling_payload, tmp_path / "scaling.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_scaling_settings_reject_bad_input():
+    from kvcompress.bench import scaling
+
+    with pytest.raises(ValueError, match="increasing"):
+        scaling.ScalingSettings(contexts=(2048, 1024))
+    with pytest.raises(ValueError, match="full_budget"):
+        scaling.ScalingSettings(budgets=(256,), full_budget=512)
+    with pytest.raises(ValueError, match="unknown methods"):
+        scaling.run_scaling(scaling.ScalingSettings(**{**TINY_SCALING, "methods": ("no_such_method",)}))
