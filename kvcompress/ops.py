@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
-__all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
+__all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "visibility", "lowest_k", "sortable_bits"]
 
 #: Whether decode-path functions run ``mx.compile``d (False with ``KVCOMPRESS_NO_COMPILE=1``:
 #: eagerly, e.g. to debug); components with compiled decode functions read this switch too.
@@ -110,6 +110,9 @@ def attention(
     of a slot is the mean over that KV head's query heads. Returns ``(out [B, H_q, N', D_v] in
     the queries' dtype or None, mass or None)``.
     """
+    if (mass == "group" and queries.shape[2] == 1 and key_positions is None and mask is None and values is not None
+            and bias is None and query_weight is None and not extra and sinks is None and owner is None):
+        return _one_query(queries, keys, values, scale)
     if mass not in (None, "group", "heads", "max"):
         raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     b, _, n, d = queries.shape
@@ -117,8 +120,8 @@ def attention(
     g = _split_groups(queries, h_kv)
     start = 0 if last is None else max(n - last, 0)
     q = _f32(queries).reshape(b, h_kv, g, n, d) * scale
-    kt = mx.expand_dims(_f32(keys), 2).swapaxes(-1, -2)  # [B, H_kv, 1, D, T]
-    v = None if values is None else mx.expand_dims(_f32(values), 2)
+    kt = _f32(keys).swapaxes(-1, -2)  # [B, H_kv, D, T]
+    v = None if values is None else _f32(values)
     if key_positions is not None:
         qpos = mx.broadcast_to(query_positions, (query_positions.shape[0], 1, n)) if query_positions.ndim == 3 \
             else mx.broadcast_to(query_positions.reshape(1, 1, n), (1, 1, n))
@@ -137,7 +140,7 @@ def attention(
         else:
             vis = _block_mask(mask, i0, i1, n, t, h_kv, g)
         tb = t - n + i1 if cut else t
-        logits = qb @ (kt if tb == t else kt[..., :tb])
+        logits = grouped_matmul(qb, kt if tb == t else kt[..., :tb])
         if bias is not None:
             add = _block_mask(bias, i0, i1, n, t, h_kv, g).astype(mx.float32)
             logits = logits + (add if tb == t else add[..., :tb])
@@ -156,7 +159,7 @@ def attention(
         x0 = sum(p.shape[-1] for p in parts[: len(extra)])
         ws = w[..., x0 : x0 + tb] if (x0 or sinks is not None) else w
         if v is not None:
-            out = ws @ (v if tb == t else v[..., :tb, :])
+            out = grouped_matmul(ws, v if tb == t else v[..., :tb, :])
             x = 0
             for e, p in zip(extra, parts):
                 out = out + e.output(w[..., x : x + p.shape[-1]])
@@ -186,6 +189,28 @@ def attention(
         elif mass != "heads":
             raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     return out, total
+
+
+def grouped_matmul(x: mx.array, y: mx.array) -> mx.array:
+    """``x`` ``[B, H, G, n, K]`` times ``y`` ``[B, H, K, M]`` -> ``[B, H, G, n, M]``: each KV head's
+    ``G * n`` query rows in one matrix product (a batch broadcast over ``G`` costs MLX's CPU
+    matmul several times more: it runs ``G`` times as many products of ``n`` rows)."""
+    b, h, g, n, k = x.shape
+    return (x.reshape(b, h, g * n, k) @ y).reshape(b, h, g, n, y.shape[-1])
+
+
+def _one_query(queries, keys, values, scale):
+    """:func:`attention` of one query per head seeing every slot, with the ``"group"`` mass:
+    the same operations as the general path (so the same bits), without its per-call branching
+    (a decode step of every mass-scoring cache comes here)."""
+    b, h_q, _, d = queries.shape
+    h_kv = keys.shape[1]
+    g = _split_groups(queries, h_kv)
+    q = _f32(queries).reshape(b, h_kv, g, 1, d) * scale
+    w = mx.softmax(grouped_matmul(q, _f32(keys).swapaxes(-1, -2)), axis=-1)  # [B, H_kv, G, 1, T]
+    out = grouped_matmul(w, _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
+    total = w.sum(axis=-2)
+    return out, (total.mean(axis=2) if g > 1 else total[:, :, 0])
 
 
 def _finish_block(out, total) -> None:

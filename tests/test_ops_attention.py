@@ -58,3 +58,23 @@ def test_ops_attention_blocks_inside_mx_compile(monkeypatch):
     eager = ops.attention(q, k, v, 0.3, mask="causal", block=2)[0]
     compiled = mx.compile(lambda q, k, v: ops.attention(q, k, v, 0.3, mask="causal", block=2)[0])(q, k, v)
     np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("b,h_q,h_kv", [(1, 4, 4), (2, 8, 2), (3, 4, 1)])
+def test_ops_attention_one_query_path_equals_the_general_path(dtype, b, h_q, h_kv):
+    """A decode step's attention (one query, every slot visible, ``"group"`` mass) takes a
+    straight-line path: the same output and mass, bit for bit, as the general masked path (here
+    forced by slot positions that make every slot visible)."""
+    t, d = 13, 16
+    q = mx.random.normal((b, h_q, 1, d), key=mx.random.key(70)).astype(dtype)
+    k, v = (x.astype(dtype) for x in _kv(b, h_kv, t, d, seed=71))
+    pos = mx.broadcast_to(mx.arange(t, dtype=mx.int32), (b, h_kv, t))
+    qpos = mx.full((b, 1, 1), t, mx.int32)
+    fast, fast_mass = ops.attention(q, k, v, 0.25, mass="group")
+    slow, slow_mass = ops.attention(q, k, v, 0.25, pos, qpos, mass="group")
+    assert fast.dtype == dtype and fast.shape == (b, h_q, 1, d) and fast_mass.shape == (b, h_kv, t)
+    assert mx.array_equal(fast, slow).item() and mx.array_equal(fast_mass, slow_mass).item()
+    np.testing.assert_allclose(np.array(fast.astype(mx.float32)),
+                               np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25).astype(mx.float32)),
+                               atol=2e-2 if dtype != mx.float32 else 2e-5)

@@ -63,25 +63,15 @@ def test_fused_attention_mass_only_for_step_mass_scorers(model, monkeypatch, met
     read the last queries' attention: wasted prefill work. Only scorers that require
     ``step_mass`` (H2O) get it."""
     calls = []
-    ops = getattr(kvcompress, "ops", None)
-    if ops is not None:
-        real = ops.attention
+    from kvcompress import ops
 
-        def spy(queries, keys, values, *args, **kwargs):
-            calls.append(values is not None and kwargs.get("mass") is not None)
-            return real(queries, keys, values, *args, **kwargs)
+    real = ops.attention
 
-        monkeypatch.setattr(ops, "attention", spy)
-    else:  # before the rewrite: the fused call lived in kvcompress.cache
-        import kvcompress.cache as old
+    def spy(queries, keys, values, *args, **kwargs):
+        calls.append(values is not None and kwargs.get("mass") is not None)
+        return real(queries, keys, values, *args, **kwargs)
 
-        real_old = old.attention_with_mass
-
-        def spy_old(*args, **kwargs):
-            calls.append(True)
-            return real_old(*args, **kwargs)
-
-        monkeypatch.setattr(old, "attention_with_mass", spy_old)
+    monkeypatch.setattr(ops, "attention", spy)
     caches = caches_for(model, method, 12)
     tokens = mx.array([prompt_tokens(48)])
     for i in range(0, 48, 16):  # chunked prefill: the 2nd and 3rd chunks compress

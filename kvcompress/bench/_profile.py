@@ -252,10 +252,10 @@ def _component_ms(kind: str, s, n: int) -> dict:
 
 def _prefill_component_ms(s, n: int = 5) -> dict:
     """One prefill chunk on one layer (queries = chunk, keys = budget - 1 + chunk): the model's
-    SDPA, the scorer's ``attention_mass`` (the same softmax again, in float32), the fused
-    ``attention_with_mass`` when the core has it, and a bare ``exp`` over the logits' shape (the
-    cost all of them are dominated by on CPU)."""
-    from kvcompress._attention_math import attention_mass
+    SDPA, the mass alone (:func:`kvcompress.ops.attention` without values: the same softmax again,
+    in float32), the fused output-and-mass attention a compressing chunk runs, and a bare ``exp``
+    over the logits' shape (the cost all of them are dominated by on CPU)."""
+    from kvcompress import ops
 
     S, T = s.prefill_step_size, s.budget - 1 + s.prefill_step_size
     k, v, _ = _layer_inputs(s, T, 70)
@@ -265,15 +265,10 @@ def _prefill_component_ms(s, n: int = 5) -> dict:
     mx.eval(logits)
     fns = {
         "sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
-        "attention_mass": lambda: attention_mass(q, k, scale, "causal"),
+        "attention_mass": lambda: ops.attention(q, k, None, scale, mask="causal", mass="group")[1],
         "exp over [H_q, S, T]": lambda: mx.exp(logits),
+        "attention_with_mass (fused)": lambda: ops.attention(q, k, v, scale, mask="causal", mass="group"),
     }
-    try:  # the fused prefill path: output and mass from one softmax
-        from kvcompress._attention_math import attention_with_mass
-
-        fns["attention_with_mass (fused)"] = lambda: attention_with_mass(q, k, v, scale, "causal")
-    except ImportError:
-        pass
     for fn in fns.values():
         mx.eval(fn())  # untimed
     times = interleave({k_: (lambda f=f: mx.eval(f())) for k_, f in fns.items()}, n, 1)

@@ -264,7 +264,7 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, 
     """``(target, cos, has_target, norms)`` (``norms``: every slot's key norm, given or computed)."""
     t = keys.shape[2]
     kl = mx.take_along_axis(keys, evict[..., None], axis=2)  # [B,H,E,D]
-    dots = (kl @ keys.swapaxes(-1, -2)).astype(mx.float32)  # [B,H,E,T]
+    dots = (keys @ kl.swapaxes(-1, -2)).swapaxes(-1, -2).astype(mx.float32)  # [B,H,E,T] (T rows: cheaper on the CPU)
     if norms is None:
         norms = _key_norms(keys)  # [B,H,T]
     norm_l = mx.take_along_axis(norms, evict, axis=-1)  # [B,H,E]

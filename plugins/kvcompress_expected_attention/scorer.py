@@ -44,7 +44,7 @@ import mlx.core as mx
 from attrs.validators import ge, instance_of
 
 from kvcompress import ConfigError, rows_field
-from kvcompress.ops import owner_mask
+from kvcompress.ops import grouped_matmul, owner_mask
 from kvcompress_streaming_llm import RopeParams, rope_params
 
 __all__ = ["ExpectedAttentionScorer", "QueryWindow", "averaged_rotation", "DEFAULT_ROPE"]
@@ -191,7 +191,7 @@ class ExpectedAttentionScorer:
         ``qpos`` ``[B, 1, w]``; ``offset`` ``[B, 1, 1]`` the next position; ``rot`` ``A^T``. With
         head groups (``owner``), each slot is scored by its own KV head's query heads only."""
         b, hq, w, d = q.shape
-        h, t = keys.shape[1], keys.shape[2]
+        h = keys.shape[1]
         g = hq // h
         pre = q.astype(mx.float32)
         if rope is not None:  # back to pre-RoPE: rotate by -p_i
@@ -206,11 +206,11 @@ class ExpectedAttentionScorer:
             return x if rope is None else rope.rotate(x, mx.broadcast_to(off, x.shape[:3]))
 
         k = keys.astype(mx.float32)
-        kt = k.swapaxes(-1, -2)[:, :, None]  # [B, H, 1, D, T]
-        z = (future(mu).reshape(b, h, g, 1, d) @ kt)[..., 0, :] * scale  # [B, H, g, T]
+        kt = k.swapaxes(-1, -2)  # [B, H, D, T]
+        z = grouped_matmul(future(mu).reshape(b, h, g, 1, d), kt)[..., 0, :] * scale  # [B, H, g, T]
         if self.use_covariance:
             fac = future((pre - mu) * wt).reshape(b, h, g, w, d)  # covariance factor
-            z = z + (mx.square(fac @ kt).sum(axis=3) / cnt.reshape(b, 1, 1, 1)) * (scale * scale / 2)
+            z = z + (mx.square(grouped_matmul(fac, kt)).sum(axis=3) / cnt.reshape(b, 1, 1, 1)) * (scale * scale / 2)
         held = (positions >= 0)[:, :, None, :]
         if owner is not None and heads_per_row > 1:
             held = held & owner_mask(owner, g, heads_per_row)

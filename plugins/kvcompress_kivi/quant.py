@@ -360,6 +360,5 @@ def _mask_cols(logits: mx.array, ok) -> mx.array:
 
 def _float_keys(keys_t: mx.array, values: mx.array, ok) -> ops.ExtraKeys:
     """Float32 extra keys ``K^T`` ``[B, H, D, X]`` and values ``[B, H, X, D_v]``."""
-    kt = mx.expand_dims(keys_t, 2)
-    vv = mx.expand_dims(values, 2)
-    return ops.ExtraKeys(logits=lambda q: _mask_cols(q @ kt, ok), output=lambda p: p @ vv)
+    return ops.ExtraKeys(logits=lambda q: _mask_cols(ops.grouped_matmul(q, keys_t), ok),
+                         output=lambda p: ops.grouped_matmul(p, values))
