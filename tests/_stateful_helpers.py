@@ -9,19 +9,12 @@ import mlx.core as mx
 import numpy as np
 
 import kvcompress
+from _regression_helpers import PARAMS, caches_for  # noqa: F401  (PARAMS: the small windows the programs use)
 from conftest import tiny_llama
 
 METHODS = sorted(kvcompress.get_registry().methods)
 VOCAB = 97
 WANT_BUDGET = 12
-#: small windows / chunks so that a 12-token budget evicts (the methods' defaults are 32 / 10)
-PARAMS = {
-    "snapkv": dict(recent=4),
-    "pyramidkv": dict(recent=4),
-    "snapkv_merge": dict(recent=4),
-    "chunkkv": dict(recent=4, chunk=4),
-    "tova_chunk": dict(chunk=4),
-}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -32,14 +25,7 @@ def model_for(dtype: str):
 
 def make_line_caches(model, method: str) -> list:
     """``make_prompt_cache`` with the smallest budget >= 12 the method accepts."""
-    params = PARAMS.get(method, {})
-    b = max(WANT_BUDGET, kvcompress.build_method(method, **params).selector.reserved(WANT_BUDGET) + 1)
-    for _ in range(64):
-        try:
-            return kvcompress.make_prompt_cache(model, method, budget=b, **params)
-        except kvcompress.ConfigError:
-            b += 1
-    raise AssertionError(f"no budget accepted by {method}")
+    return caches_for(model, method, WANT_BUDGET)
 
 
 @functools.lru_cache(maxsize=None)
