@@ -78,13 +78,10 @@ class _AttendMixin:
             if bias is not None:
                 own = bias
             return sdpa(queries, split(keys), split(values), cache=None, scale=scale, mask=own, sinks=sinks)
+        # after an eviction (decode steps too): the exact slot and owner mask in kvcompress's
+        # attention, whose grouped products beat mlx's masked fallback on the CPU (adakv's decode
+        # 0.70 -> 0.80x rotating)
         pos, owner = self._positions(), self._owner()
-        if n == 1 and bias is None:  # decode: one small mask, mlx's fused attention
-            b, h = keys.shape[:2]
-            gq = queries.shape[1] // h
-            visible = ops.owner_mask(owner, gq, g) & (pos >= 0)[:, :, None, :]
-            return sdpa(queries, keys, values, cache=None, scale=scale,
-                        mask=visible.reshape(b, h * gq, 1, -1), sinks=sinks)
         _, valid, _ = self._pending
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
