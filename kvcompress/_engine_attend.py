@@ -79,8 +79,8 @@ class _AttendMixin:
                 own = bias
             return sdpa(queries, split(keys), split(values), cache=None, scale=scale, mask=own, sinks=sinks)
         # after an eviction (decode steps too): the exact slot and owner mask in kvcompress's
-        # attention, whose grouped products beat mlx's masked fallback on the CPU (adakv's decode
-        # 0.70 -> 0.80x rotating)
+        # attention (its grouped products beat mlx's masked CPU fallback, which broadcasts the
+        # keys over each group's query heads)
         pos, owner = self._positions(), self._owner()
         _, valid, _ = self._pending
         out, mass = ops.attention(
