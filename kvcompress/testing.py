@@ -57,7 +57,8 @@ from typing import Any, Iterable, Optional, Union
 import attrs
 
 from ._contracts import ContractFailure, ContractReport, fail
-from ._contracts.runs import RunSettings, check_method_runs, method_subject, tiny_llama
+from ._contracts.generation import tiny_llama
+from ._contracts.runs import RunSettings, check_method_runs, method_subject
 from ._contracts.unit_kinds import UNIT_CHECKS
 from ._contracts.units import check_spec
 from .components import KINDS, ComponentSpec

@@ -29,47 +29,23 @@ decode) with caches from :func:`kvcompress.make_prompt_cache` and checks:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from typing import Any, Optional
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..cache import CompressedKVCache
 from ..components import KINDS
 from ..errors import ConfigError
 from ..factory import make_prompt_cache
 from ..method import Method, build_method
-from ..persistence import load_prompt_cache, save_prompt_cache
 from . import ContractReport, ensure, fail
+from .generation import (
+    _check_batched, _check_exact, _check_save_load, _compressed, _generate, _state_arrays, _states_equal,
+    tiny_llama,
+)
 
-__all__ = ["tiny_llama", "check_method_runs", "RunSettings"]
-
-_REFERENCE: dict = {}
-
-
-def tiny_llama(n_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 97,
-               seed: int = 0, dtype=mx.float32):
-    """A random-weight mlx-lm Llama (GQA, head_dim = hidden / heads), built in memory.
-
-    Seeds MLX's global generator with ``seed`` so the same arguments give the same weights.
-    """
-    from mlx_lm.models import llama
-
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=n_layers,
-        intermediate_size=2 * hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    if dtype != mx.float32:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
+__all__ = ["check_method_runs", "RunSettings"]
 
 @attrs.frozen
 class RunSettings:
@@ -80,10 +56,6 @@ class RunSettings:
     atol: float = 1e-6
     seed: int = 0
     vocab: int = 97
-
-
-def _compressed(caches) -> list:
-    return [c for c in caches if isinstance(c, CompressedKVCache)]
 
 
 class _StepLog:
@@ -134,32 +106,6 @@ def _unpin_budget(config):
         if c is not None and "budget" in c.params:
             changes[kind] = ComponentConfig(c.name, {k: v for k, v in c.params.items() if k != "budget"})
     return attrs.evolve(config, **changes) if changes else config
-
-
-def _generate(model, prompt, caches, step: int, n: int):
-    from mlx_lm.generate import generate_step
-
-    toks, lps = [], []
-    for t, lp in generate_step(prompt, model, prompt_cache=caches, prefill_step_size=step, max_tokens=n):
-        toks.append(int(t))
-        lps.append(lp)
-    mx.eval(lps)
-    return toks, lps
-
-
-def _state_arrays(c) -> list:
-    return [a for a in c.state if isinstance(a, mx.array)]
-
-
-def _states_equal(a, b) -> bool:
-    sa, sb = _state_arrays(a), _state_arrays(b)
-    return len(sa) == len(sb) and all(
-        x.shape == y.shape and x.dtype == y.dtype and bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(sa, sb)
-    )
-
-
-def _meta(c) -> dict:
-    return json.loads(c.state[-1])
 
 
 def _positions_scores(c):
@@ -318,110 +264,6 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
         ensure(again.component(kind) == method.component(kind), s, "config round trip",
                f"{kind} rebuilt from {cfg} is {again.component(kind)!r}, not {method.component(kind)!r}")
     report.ok("config round trip")
-
-
-def _check_save_load(model, caches, report, settings) -> None:
-    s = report.subject
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "cache.safetensors")
-        save_prompt_cache(path, caches)
-        loaded = load_prompt_cache(path)
-    ensure(len(loaded) == len(caches), s, "save/load", f"{len(caches)} layers saved, {len(loaded)} loaded")
-    for a, b in zip(caches, loaded):
-        ensure(type(a) is type(b), s, "save/load", f"{type(a).__name__} came back as {type(b).__name__}")
-        if isinstance(a, CompressedKVCache):
-            ensure(_states_equal(a, b) and _meta(a) == _meta(b) and a.budget == b.budget, s, "save/load",
-                   f"layer {a.layer}: the loaded state differs from the saved one")
-    rng = np.random.default_rng(settings.seed + 1)
-    for i, tok in enumerate(rng.integers(1, settings.vocab, 3)):
-        x = mx.array([[int(tok)]], dtype=mx.int32)
-        la, lb = model(x, cache=caches), model(x, cache=loaded)
-        diff = float(mx.abs(la - lb).max())
-        ensure(diff <= settings.atol, s, "save/load",
-               f"decode step {i} after loading: logits differ by {diff:.3g} from the original cache")
-    for a, b in zip(_compressed(caches), _compressed(loaded)):
-        ensure(_states_equal(a, b), s, "save/load", f"layer {a.layer}: states diverge after decoding on")
-    report.ok("save/load")
-
-
-def _check_exact(h: _Harness, prompt, step, report, settings) -> None:
-    s = report.subject
-    seen = len(prompt) + settings.decode
-    key = (settings.vocab, tuple(prompt.tolist()), step, settings.decode)
-    if key not in _REFERENCE:
-        from mlx_lm.models.cache import KVCache
-
-        model = tiny_llama(vocab=settings.vocab)
-        _REFERENCE[key] = _generate(model, prompt, [KVCache() for _ in model.layers], step, settings.decode)
-    ref_toks, ref_lps = _REFERENCE[key]
-    takes_budget = any("budget" in attrs.fields_dict(type(h.method.component(k))) for k in KINDS)
-    if not takes_budget:
-        report.skip("exact without eviction", "no component has a 'budget' parameter to raise")
-        return
-    roomy = seen + 1
-    for _ in range(12):
-        try:
-            _, caches, toks, lps = h.run(prompt, step, budget=roomy)
-        except ConfigError:
-            roomy *= 2
-            continue
-        if all(c.evictions == 0 for c in _compressed(caches)):
-            break
-        roomy *= 2
-    else:
-        raise fail(s, "exact without eviction", f"no budget up to {roomy} avoided eviction of {seen} tokens")
-    ensure(toks == ref_toks, s, "exact without eviction",
-           f"with budget {roomy} >= {seen} tokens the greedy tokens differ from KVCache's")
-    worst = max(float(mx.abs(a - b).max()) for a, b in zip(lps, ref_lps))
-    ensure(worst <= settings.atol, s, "exact without eviction",
-           f"with budget {roomy} >= {seen} tokens log-probabilities differ from KVCache's by {worst:.3g}")
-    report.ok("exact without eviction")
-    report.details["exact_max_diff"] = worst
-
-
-def _batch_generate(model, prompts, caches, step: int, n: int):
-    """mlx-lm's continuous batching: ``BatchGenerator`` merges the per-sequence caches into one
-    batch cache (``caches[0][i].merge(...)``) and right-pads the prompts chunk by chunk."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, max_tokens=n, prefill_step_size=step)
-    try:
-        uids = gen.insert(prompts, caches=caches)
-        toks, lps = {u: [] for u in uids}, {u: [] for u in uids}
-        for _ in range(sum(len(p) for p in prompts) + 10 * n):
-            _, responses = gen.next()
-            for r in responses:
-                toks[r.uid].append(int(r.token))
-                lps[r.uid].append(r.logprobs)
-            if all(len(toks[u]) >= n for u in uids):
-                break
-    finally:
-        gen.close()
-    return [(toks[u][:n], lps[u][:n]) for u in uids]
-
-
-def _check_batched(h: _Harness, prompt, step, report, settings, extra) -> None:
-    s = report.subject
-    n = len(prompt)
-    # three rows: the prompt, a shorter one that still evicts, one that never reaches the budget
-    lengths = [n, n - 7, max(step // 2, 3)]
-    prompts = [prompt[-m:].tolist() for m in lengths]
-    model = tiny_llama(vocab=settings.vocab)
-    alone = [_generate(model, mx.array(p), h.caches(model, **extra), step, settings.decode) for p in prompts]
-    try:
-        batched = _batch_generate(model, prompts, [h.caches(model, **extra) for _ in prompts], step, settings.decode)
-    except Exception as exc:
-        raise fail(s, "batched", f"mlx-lm's BatchGenerator failed on rows of lengths {lengths}: "
-                   f"{type(exc).__name__}: {exc}") from exc
-    for r, ((toks, lps), (ref_toks, ref_lps)) in enumerate(zip(batched, alone)):
-        ensure(toks == ref_toks, s, "batched",
-               f"row {r} (a {lengths[r]}-token prompt) batched with rows of lengths {lengths} generated "
-               f"{toks}; alone it generates {ref_toks}")
-        worst = max(float(mx.abs(a - b).max()) for a, b in zip(lps, ref_lps))
-        ensure(worst <= 1e-4, s, "batched",
-               f"row {r} (a {lengths[r]}-token prompt) batched with rows of lengths {lengths}: "
-               f"log-probabilities differ from its solo run by {worst:.3g}")
-    report.ok("batched")
 
 
 def method_subject(method: Any) -> str:
