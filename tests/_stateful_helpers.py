@@ -1,5 +1,5 @@
-"""Shared by the stateful cache tests: the tiny models and per-method caches they run, whether a
-method's caches batch uneven rows, and what a cache holds read through its public protocol."""
+"""Shared by the stateful cache tests: the tiny models and per-method caches they run, and what a
+cache holds read through its public protocol."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvcompress
-from _regression_helpers import PARAMS, caches_for  # noqa: F401  (PARAMS: the small windows the programs use)
+from _regression_helpers import caches_for
 from conftest import tiny_llama
 
 METHODS = sorted(kvcompress.get_registry().methods)
@@ -26,27 +26,6 @@ def model_for(dtype: str):
 def make_line_caches(model, method: str) -> list:
     """``make_prompt_cache`` with the smallest budget >= 12 the method accepts."""
     return caches_for(model, method, WANT_BUDGET)
-
-
-@functools.lru_cache(maxsize=None)
-def batches_uneven(method: str) -> bool:
-    """Whether the method's caches batch rows that free different numbers of slots in one step
-    (kivi's disposition could not; the batch rules are skipped for a method that cannot)."""
-    model = model_for("float32")
-    a, b = make_line_caches(model, method), make_line_caches(model, method)
-    model(mx.array([list(range(1, 30))]), cache=a)
-    model(mx.array([list(range(1, 4))]), cache=b)
-    batch = [type(x).merge([x, y]) for x, y in zip(a, b)]
-    try:
-        mx.eval(model(mx.array([[5], [6]]), cache=batch))
-    except kvcompress.ConfigError:
-        return False
-    return True
-
-
-# ------------------------------------------------------------------------------------------
-# What a cache holds, read through its public protocol (state / properties)
-# ------------------------------------------------------------------------------------------
 
 
 def held_positions(c, row: int = 0) -> np.ndarray:

@@ -5,7 +5,6 @@ extend, CaM's batch merge targets). Each test's docstring names the bug it catch
 from __future__ import annotations
 
 import copy
-import functools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,8 +15,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import cache as mlx_cache
 
 import kvcompress
-from conftest import tiny_llama
-from _regression_helpers import METHODS, PARAMS, caches_for, greedy, held, prompt_tokens
+from _regression_helpers import METHODS, PARAMS, batches_uneven, caches_for, greedy, held, prompt_tokens
 
 
 def state_snapshot(caches) -> list:
@@ -35,22 +33,6 @@ def assert_same_snapshot(a, b) -> None:
             assert x == y
         else:
             np.testing.assert_array_equal(x, y)
-
-
-@functools.lru_cache(maxsize=None)
-def batchable(method: str) -> bool:
-    """Whether the method's caches batch rows that free different numbers of slots in one step
-    (kivi's disposition could not when these tests were written; it is being fixed)."""
-    m = tiny_llama(n_layers=1, hidden=32, heads=4, kv_heads=2, vocab=97, seed=1)
-    a, b = caches_for(m, method), caches_for(m, method)
-    m(mx.array([prompt_tokens(30)]), cache=a)
-    m(mx.array([prompt_tokens(3)]), cache=b)
-    batch = [type(x).merge([x, y]) for x, y in zip(a, b)]
-    try:
-        mx.eval(m(mx.array([[5], [6]]), cache=batch))
-    except kvcompress.ConfigError:
-        return False
-    return True
 
 
 class FakeTokenizer:
@@ -175,7 +157,7 @@ def test_batch_generate_rows_equal_their_solo_runs(model, method):
     evict different numbers of tokens at different steps). Also caught: CaM's merge excluded a
     batch row's non-leaving entries from its merge targets (cam / snapkv_merge rows differed).
     kivi / h2o_kivi are skipped while their disposition cannot batch uneven evictions."""
-    if not batchable(method):
+    if not batches_uneven(method):
         pytest.skip(f"{method}: the disposition cannot yet batch rows that free different numbers of tokens")
     prompts = [prompt_tokens(n, salt=i) for i, n in enumerate(PROMPT_LENGTHS)]
     caches = [caches_for(model, method, 12) for _ in prompts]
@@ -218,7 +200,7 @@ def test_batch_rows_extract_filter_extend_follow_their_solo_caches(model, method
     ``extend`` mid-decode, and ``extract(i)`` continues like the solo cache: the same greedy
     tokens, the same kept positions, offsets and budgets, logits equal up to float rounding
     (a row's slots may sit in another order than the solo cache's)."""
-    if not batchable(method):
+    if not batches_uneven(method):
         pytest.skip(f"{method}: the disposition cannot yet batch rows that free different numbers of tokens")
     solos = []
     for i, n in enumerate(PROMPT_LENGTHS):

@@ -4,7 +4,8 @@ slots in one step."""
 
 from __future__ import annotations
 
-from _stateful_helpers import METHODS, batches_uneven
+from _regression_helpers import batches_uneven
+from _stateful_helpers import METHODS
 
 
 def test_kivi_batches_rows_with_different_eviction_counts_or_is_known_not_to():

@@ -52,7 +52,8 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 
 import kvcompress
-from _stateful_helpers import (DTYPES, METHODS, PARAMS, VOCAB, batches_uneven, full_state, held_positions,
+from _regression_helpers import PARAMS, batches_uneven
+from _stateful_helpers import (DTYPES, METHODS, VOCAB, full_state, held_positions,
                                make_line_caches, model_for, read_caches, row_facts, same_state)
 from kvcompress import KVCompressError
 
