@@ -202,7 +202,8 @@ def grouped_matmul(x: mx.array, y: mx.array) -> mx.array:
 def _one_query(queries, keys, values, scale):
     """:func:`attention` of one query per head seeing every slot, with the ``"group"`` mass:
     the same operations as the general path (so the same bits), without its per-call branching
-    (a decode step of every mass-scoring cache comes here)."""
+    (a decode step of every mass-scoring cache comes here; its graph is built while the step
+    before computes, on the same cores: measured ~1.5% of cam's and h2o's decode speed)."""
     b, h_q, _, d = queries.shape
     h_kv = keys.shape[1]
     g = _split_groups(queries, h_kv)
