@@ -140,7 +140,9 @@ def test_example_script_runs(name, stories_path, monkeypatch, capsys):
 
 
 def _kvcompress() -> list[str]:
-    exe = shutil.which("kvcompress")
+    """The console script of the environment under test (not whichever ``kvcompress`` is first
+    on PATH, which may belong to another install), else ``python -m kvcompress``."""
+    exe = shutil.which("kvcompress", path=str(Path(sys.executable).parent))
     return [exe] if exe else [sys.executable, "-m", "kvcompress"]
 
 

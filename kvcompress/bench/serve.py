@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import attrs
 
 from . import _serving as srv
+from . import _serving_client as client
 from ._harness import median, paired, rotate
 from ._model import DTYPES, ModelShape
 from ._options import add_output_arguments, at_least, options_given, out_dir
@@ -193,7 +194,7 @@ def _load_phase(s, procs, tok, ban, say, t0) -> dict:
         if s.warmup:
             warm = [srv.haystack_text(tok, min(s.prompt_tokens, 128), s.seed * 7919 + 99_000 + i) for i in range(n)]
             for name in NAMES:
-                srv.load_round(procs[name].url, warm, 2, ban, s.request_timeout_s)
+                client.load_round(procs[name].url, warm, 2, ban, s.request_timeout_s)
             say(f"warm-up done ({time.perf_counter() - t0:.0f}s)")
         rounds, start = [], time.monotonic()
         for r in range(s.rounds):
@@ -203,9 +204,9 @@ def _load_phase(s, procs, tok, ban, say, t0) -> dict:
             prompts = [srv.haystack_text(tok, s.prompt_tokens, s.seed * 7919 + 1000 * r + i) for i in range(n)]
             row: dict[str, Any] = {"round": r, "order": rotate(NAMES, r)}
             for name in row["order"]:
-                m = srv.load_round(procs[name].url, prompts, s.new_tokens, ban, s.request_timeout_s)
+                m = client.load_round(procs[name].url, prompts, s.new_tokens, ban, s.request_timeout_s)
                 ttft = [q["ttft_s"] for q in m["requests"]]
-                m.update(ttft_p50_s=srv.percentile(ttft, 50), ttft_p99_s=srv.percentile(ttft, 99))
+                m.update(ttft_p50_s=client.percentile(ttft, 50), ttft_p99_s=client.percentile(ttft, 99))
                 row[name] = m
                 say(f"round {r + 1}/{s.rounds} {name:>10}: {m['tok_s']:.1f} tok/s, TTFT p50 {m['ttft_p50_s']:.2f}s "
                     f"({time.perf_counter() - t0:.0f}s)")
@@ -219,7 +220,7 @@ def _load_phase(s, procs, tok, ban, say, t0) -> dict:
         out["servers"][name] = {
             "tok_s": median([row[name]["tok_s"] for row in rounds]),
             "decode_tok_s": median([row[name]["decode_tok_s"] for row in rounds]),
-            "ttft_p50_s": srv.percentile(ttft, 50), "ttft_p99_s": srv.percentile(ttft, 99),
+            "ttft_p50_s": client.percentile(ttft, 50), "ttft_p99_s": client.percentile(ttft, 99),
             "peak_mb": (hwm or sampler.peak(name) or 0) / 2**20, "peak_source": "VmHWM" if hwm else "sampled RSS",
             "rss_end_mb": (p.rss() or 0) / 2**20, "rss_curve": sampler.curve(name),
         }
@@ -244,7 +245,7 @@ def _conversation_phase(s, procs, tok, ban, say, t0) -> dict:
             say(f"conversation: time limit ({s.conversation_seconds}s) after {turn} turns")
             break
         for n in active:
-            r = srv.complete(procs[n].url, text[n], s.answer_tokens, ban, s.request_timeout_s)
+            r = client.complete(procs[n].url, text[n], s.answer_tokens, ban, s.request_timeout_s)
             rss = (procs[n].rss() or 0) / 2**20
             hwm = procs[n].peak()  # None off Linux: the largest RSS read after a turn so far
             peak = hwm / 2**20 if hwm else max([rss, *(t["rss_mb"] for t in state[n]["turns"])])
