@@ -42,6 +42,7 @@ __all__ = [
     "Disposition",
     "Budget",
     "check_hook_names",
+    "component_hooks",
 ]
 
 KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
@@ -268,6 +269,12 @@ OPTIONAL_HOOKS = {
     "disposition": _COMMON + ("attend", "view_keys", "plan", "apply"),
     "budget": _COMMON + ("observe_layer", "rebudget"),
 }
+
+
+def component_hooks(kind: str, comp) -> dict:
+    """``{hook name: bound method}`` of the optional hooks of :data:`OPTIONAL_HOOKS` ``[kind]``
+    that ``comp`` defines: the only way the cache and the contract tests look hooks up."""
+    return {name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind] if callable(getattr(type(comp), name, None))}
 
 
 def _own_methods(cls: type) -> list[str]:

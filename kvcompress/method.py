@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 
 import attrs
 
-from .components import CACHE_PROVIDES, KINDS, OPTIONAL_HOOKS, Budget, Disposition, Scorer, Selector
+from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, Scorer, Selector, component_hooks
 from .config import ComponentConfig, MethodConfig, structure_component
 from .errors import CompositionError, ConfigError
 from .registry import Registry, get_registry
@@ -33,14 +33,7 @@ class Method:
     def hooks(self) -> dict:
         """``{kind: {hook name: bound method}}`` of the optional hooks each component defines
         (only the names declared in :data:`~kvcompress.components.OPTIONAL_HOOKS`)."""
-        out = {}
-        for kind in KINDS:
-            comp = self.component(kind)
-            out[kind] = {
-                name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind]
-                if callable(getattr(type(comp), name, None))
-            }
-        return out
+        return {kind: component_hooks(kind, self.component(kind)) for kind in KINDS}
 
     def describe(self) -> str:
         parts = []

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-import kvcompress
 from kvcompress.cli import main
 from kvcompress.registry import reset_registry
 

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 import kvcompress
 from kvcompress import ConfigError, build_method
-from kvcompress_squeeze import SqueezeBudget, SqueezeState, kmeans_1d, squeeze_budgets
+from kvcompress_squeeze import SqueezeState, kmeans_1d, squeeze_budgets
 
 from conftest import tiny_llama
 

@@ -185,7 +185,7 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
         ensure(c.tokens_kept <= c.size() <= c.budget, s, "budget held",
                f"layer {c.layer} holds {c.tokens_kept} tokens in {c.size()} slots after a decode step; "
                f"budget {c.budget}")
-        if getattr(c.method.selector, "evict_count", None) is None:
+        if "evict_count" not in c.method.hooks()["selector"]:
             ensure(c.tokens_kept == min(c.budget, c.offset), s, "budget held",
                    f"layer {c.layer} holds {c.tokens_kept} tokens after a decode step, expected "
                    f"min(budget {c.budget}, offset {c.offset}) (the selector evicts exactly n_evict)")

@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _state
-from ..components import ModelInfo
+from ..components import ModelInfo, component_hooks
 from . import ContractReport, ensure, fail
 from . import synthetic as syn
-from .units import _np, _same, _finite, component_hooks, check_state, _flat, _same_state, _init_state, _rows_of, _FLOATS
+from .units import _np, _same, _finite, check_state, _flat, _same_state, _init_state, _rows_of, _FLOATS
 
 __all__ = ["check_scorer_unit", "check_selector_unit", "check_disposition_unit", "check_budget_unit",
            "UNIT_CHECKS", "unit_budget"]
@@ -120,7 +120,7 @@ def check_selector_unit(selector, report: ContractReport, seed: int = 0) -> None
     check_state("selector", selector, fresh, report, "(fresh from init_state)", fresh=True)
     budget = unit_budget(selector, s)
     reserved = selector.reserved(budget)
-    count = getattr(selector, "evict_count", None)
+    count = component_hooks("selector", selector).get("evict_count")
 
     def n_out(n):
         return int(count(n)) if count is not None else n

@@ -41,11 +41,11 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _state
-from ..components import KINDS, OPTIONAL_HOOKS, Budget, ComponentSpec, Disposition, Scorer, Selector
+from ..components import KINDS, Budget, ComponentSpec, Disposition, Scorer, Selector, component_hooks
 from . import ContractReport, ensure, fail
 from . import synthetic as syn
 
-__all__ = ["check_spec", "check_state", "component_hooks"]
+__all__ = ["check_spec", "check_state"]
 
 _PROTOCOLS = {"scorer": Scorer, "selector": Selector, "disposition": Disposition, "budget": Budget}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -63,11 +63,6 @@ def _same(a, b) -> bool:
 
 def _finite(x: mx.array) -> bool:
     return bool(mx.all(mx.isfinite(x.astype(mx.float32))))
-
-
-def component_hooks(kind: str, comp) -> dict:
-    """The optional hooks ``comp`` declares, as the cache resolves them (``Method.hooks``)."""
-    return {name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind] if callable(getattr(type(comp), name, None))}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ._caches import make_cache
 from ._harness import interleave, median, prefill, release, sync_stepper
 from ._model import build_model, random_tokens
 
-__all__ = ["profile_decode", "count_ops", "profile_table", "profile_markdown"]
+__all__ = ["profile_decode", "count_ops"]
 
 
 @attrs.frozen

@@ -49,9 +49,9 @@ def model_cache_factory(model, registry=None) -> Callable[[Optional[dict]], Call
 
     def factory(config: Optional[dict]):
         if config is None:
-            from mlx_lm.models.cache import make_prompt_cache
+            from mlx_lm.models.cache import make_prompt_cache as full_cache
 
-            return lambda: make_prompt_cache(model)
+            return lambda: full_cache(model)
         from kvcompress import make_prompt_cache
 
         return lambda: make_prompt_cache(model, config=config, registry=registry)

@@ -13,7 +13,7 @@ and stores older ones quantized:
 
   so the error of each element is at most ``s / 2`` (plus float rounding of ``s`` and ``min``).
 
-The codes are computed with exactly this min/max rule (:func:`kivi_quantize`) and packed in
+The codes are computed with exactly this min/max rule (:func:`~kvcompress_kivi.store.kivi_quantize`) and packed in
 MLX's affine layout (``b``-bit codes in ``uint32`` words from the low bits up, one scale and one
 bias per group in the cache's dtype), so ``mx.quantized_matmul`` and ``mx.dequantize`` read them.
 ``mx.quantize`` itself is not used: its affine mode moves the grid so that zero is exactly
@@ -57,7 +57,7 @@ from kvcompress.errors import ConfigError
 
 from .store import (
     _STORE_FIELDS, KiviState, _group_index, _take, _units, _unpack, _with_rows,
-    _zero_group, kivi_quantize, quantize_keys, quantize_values,
+    _zero_group, quantize_keys, quantize_values,
 )
 
 __all__ = ["KiviQuant"]
