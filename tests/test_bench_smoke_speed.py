@@ -61,10 +61,11 @@ def test_speed_profile_counts_cache_ops(speed_payload):
     for m in ("h2o", "cam"):
         assert ops[m]["update_and_fetch"] > ops["rotating"]["update_and_fetch"]
         assert ops[m]["decoder_layer_total"] > ops[m]["update_and_fetch"]
-        # a compressing decode step: one softmax gives the output and the scorer's mass
-        assert ops[m]["attend_observe_by_op"].get("Softmax") == 1
-        # (CaM's step also plans the next step's merge: the loser's cosine to every key)
+        # a compressing decode step: one q k^T and one w v -- the output and the scorer's mass
+        # come from one softmax (CaM's step also plans the next merge: the loser's cosine to
+        # every key); that softmax is mx.softmax or, on the CPU, ops._softmax's kernels
         assert ops[m]["attend_observe_by_op"].get("Matmul") == (3 if m == "cam" else 2)
+        assert ops[m]["attend_observe_by_op"].get("Softmax", 0) <= 1
         for v in prof["component_ms"][m].values():
             assert v > 0 and math.isfinite(v)
     for var in ("rotating", "h2o", "h2o[no_evict]", "h2o[no_evict,no_score]", "cam", "cam[no_evict]"):

@@ -125,7 +125,8 @@ def test_a_stale_plan_is_never_applied(model, monkeypatch):
 
 def test_a_decode_step_copies_neither_keys_nor_values():
     """The point of planning: a CaM decode step writes into the stored arrays without copying
-    them (a copy of each would add ``keys.nbytes + values.nbytes`` to the step's peak memory)."""
+    them (a copy of each would add ``keys.nbytes + values.nbytes`` to the step's peak memory;
+    what a step allocates besides is its logits and their softmax, ~10x smaller here)."""
     from kvcompress.mlxlm.attention import ensure_wrapped
     from mlx_lm.models import base
 
@@ -150,7 +151,7 @@ def test_a_decode_step_copies_neither_keys_nor_values():
         peaks.append(mx.get_peak_memory() - before)
         del kk, vv
     assert c.evictions > 0 and c._planned is not None
-    assert max(peaks[2:]) < c.keys.nbytes / 2, (peaks, c.keys.nbytes)
+    assert max(peaks[2:]) < c.keys.nbytes, (peaks, c.keys.nbytes)
 
 
 def test_plan_without_apply_is_refused():
