@@ -63,7 +63,8 @@ def held(c, row: int = 0) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def batches_uneven(method: str) -> bool:
     """Whether the method's caches batch rows that free different numbers of slots in one step
-    (kivi's disposition could not when these tests were written; it is being fixed)."""
+    (a method that cannot refuses with ConfigError, and the batch rules skip it; every built-in
+    method can -- KIVI's batch rows are tested directly in test_kivi_batch.py)."""
     m = tiny_llama(n_layers=1, hidden=32, heads=4, kv_heads=2, vocab=97, seed=1)
     a, b = caches_for(m, method), caches_for(m, method)
     m(mx.array([prompt_tokens(30)]), cache=a)
