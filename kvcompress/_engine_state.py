@@ -257,7 +257,8 @@ class _StateMixin:
         """Bytes mlx-lm's ``KVCache`` would hold for the tokens seen (it grows in steps of 256)."""
         if self.keys is None:
             return 0
-        _, h, _, dk = self.keys.shape
+        _, rows, _, dk = self.keys.shape
+        h = rows * max(self._g, 1)  # head groups store g KV heads per row
         dv = self.values.shape[-1]
         per_token = h * (dk * self.keys.dtype.size + dv * self.values.dtype.size)
         step = 256
@@ -269,7 +270,7 @@ class _StateMixin:
         the compression in tokens and in bytes, where scores came from, plus each component's
         own figures (e.g. merges)."""
         g = max(self._g, 1)
-        kept = [n / g if g > 1 else n for n in self._rows_n or [0]]
+        kept = [_per_head(n, g) for n in self._rows_n or [0]]
         seen = self._rows_off or [0]
         held = self.nbytes
         out = {
@@ -280,7 +281,7 @@ class _StateMixin:
             "tokens_kept": self._rowwise(kept),
             "compression_tokens": self._rowwise([o / n if n else 1.0 for o, n in zip(seen, kept)]),
             "compression_bytes": self.full_cache_nbytes() / held if held and self.keys is not None else 1.0,
-            "evictions": self._rowwise([e / g if g > 1 else e for e in self._rows_evicted or [0]]),
+            "evictions": self._rowwise([_per_head(e, g) for e in self._rows_evicted or [0]]),
             "score_source": self.score_source,
             "nbytes": held,
             # scoring passes (whole-model figures, the same in every layer): extra forwards the
@@ -299,13 +300,13 @@ class _StateMixin:
     def tokens_kept(self):
         """Tokens currently held per row and KV head (the mean over a head group's heads)."""
         g = max(self._g, 1)
-        return self._rowwise([n / g if g > 1 else n for n in self._rows_n or [0]])
+        return self._rowwise([_per_head(n, g) for n in self._rows_n or [0]])
 
     @property
     def evictions(self):
         """Tokens evicted so far (per row, per KV head)."""
         g = max(self._g, 1)
-        return self._rowwise([e / g if g > 1 else e for e in self._rows_evicted or [0]])
+        return self._rowwise([_per_head(e, g) for e in self._rows_evicted or [0]])
 
     def __deepcopy__(self, memo):
         """A copy that continues exactly like the original; copies of a prompt's caches made in
@@ -318,3 +319,8 @@ class _StateMixin:
             new.__dict__[name] = None if name == "_planned" else copy.deepcopy(value, memo)
         new.group.add(new.info.layer, new)
         return new
+
+
+def _per_head(total: int, g: int):
+    """A head group's count per KV head: an int when it divides evenly, else the mean."""
+    return total // g if total % g == 0 else total / g
