@@ -208,6 +208,11 @@ def cmd_doctor(args) -> int:
                    else f"{auto} preload it automatically")
             print(f"blas       OpenBLAS found at {lib}; {how}")
             print(f"           for your own scripts: export LD_PRELOAD={lib}")
+    from . import _lowbit
+
+    lowbit = _lowbit.status()
+    print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"]
+                           else f"MLX's quantized_matmul: {lowbit['reason']}"))
     reg = _registry()
     for p in reg.plugins():
         print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))

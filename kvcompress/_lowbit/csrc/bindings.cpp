@@ -1,0 +1,16 @@
+// A few-row CPU drop-in for mx.quantized_matmul(x, w, scales, biases, transpose=False) (affine).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+
+#include "op.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_lowbit_qmm, m) {
+  m.doc() = "Few-row CPU quantized_matmul (transpose=False) for MLX";
+  m.def("qmm", &lowbit::qmm_few_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a = 64, "bits"_a = 4,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "quantized_matmul(x, w, scales, biases, transpose=False, group_size, bits) for few rows of x");
+  m.def("has_avx2", &lowbit::has_avx2);
+}

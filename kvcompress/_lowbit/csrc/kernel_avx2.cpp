@@ -1,0 +1,6 @@
+// compiled with -mavx2 -mfma; only called after a runtime CPU check
+#include "kernel.h"
+#include <cstring>
+namespace lowbit { namespace avx2 {
+#include "kernel_impl.inc"
+} }

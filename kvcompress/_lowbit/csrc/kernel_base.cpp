@@ -1,0 +1,6 @@
+#include "kernel.h"
+#include <cstring>
+#define LOWBIT_LUT 1
+namespace lowbit { namespace base {
+#include "kernel_impl.inc"
+} }

@@ -1,0 +1,152 @@
+#include "op.h"
+
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+
+#include "kernel.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace lowbit {
+
+bool has_avx2() {
+  static const bool ok = [] {
+    if (const char* e = std::getenv("KVCOMPRESS_LOWBIT_NO_AVX2"); e && *e && *e != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+
+static int dt_code(mx::Dtype d) {
+  if (d == mx::float32) return F32;
+  if (d == mx::float16) return F16;
+  if (d == mx::bfloat16) return BF16;
+  throw std::invalid_argument("[qmm_few_rows] only float32/float16/bfloat16 are supported");
+}
+
+mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    return mx::quantized_matmul(x, w, scales, biases, false, group_size, bits, "affine", s);
+  auto fail = [&](const std::string& m) { throw std::invalid_argument("[qmm_few_rows] " + m); };
+  if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  if (w.dtype() != mx::uint32) fail("w must be uint32");
+  if (w.ndim() < 2 || scales.ndim() < 2 || x.ndim() < 1) fail("w/scales need >= 2 dims");
+  if (scales.shape() != biases.shape()) fail("scales and biases must have the same shape");
+  if (scales.dtype() != biases.dtype()) fail("scales and biases must have the same dtype");
+  if (!std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) || w.ndim() != scales.ndim())
+    fail("w and scales batch/row shapes differ");
+  int K = w.shape(-2), N = w.shape(-1) * 32 / bits;
+  if (scales.shape(-1) * group_size != N) fail("w and scales shapes incompatible with group_size/bits");
+  if (x.shape(-1) != K) fail("last dim of x must equal w.shape(-2) (transpose=False)");
+  auto dtype = mx::promote_types(x.dtype(), scales.dtype());
+  dt_code(dtype); dt_code(x.dtype()); dt_code(scales.dtype());
+  std::vector<mx::array> inputs = {x, w, scales, biases};
+  if (x.ndim() > 2 && w.ndim() > 2) {  // broadcast the batch dims, like mx::quantized_matmul
+    mx::Shape xb(x.shape().begin(), x.shape().end() - 2), wb(w.shape().begin(), w.shape().end() - 2);
+    auto bs = mx::broadcast_shapes(xb, wb);
+    for (auto& a : inputs) {
+      mx::Shape sh = bs;
+      sh.push_back(a.shape(-2));
+      sh.push_back(a.shape(-1));
+      if (sh != a.shape()) a = mx::broadcast_to(a, sh, stream);
+    }
+  }
+  auto out_shape = inputs[0].shape();
+  out_shape.back() = N;
+  return mx::array(std::move(out_shape), dtype, std::make_shared<LowbitQmm>(stream, group_size, bits),
+                   std::move(inputs));
+}
+
+// element offsets of each batch entry (leading dims of `a` over the output's batch shape)
+static std::vector<int64_t> batch_offsets(const mx::array& a, const mx::array& out, int64_t batch) {
+  std::vector<int64_t> off(batch, 0);
+  int nb = (int)out.ndim() - 2;
+  if ((int)a.ndim() != (int)out.ndim() || nb <= 0) return off;  // 2-D operand: shared by every batch
+  for (int64_t i = 0; i < batch; i++) {
+    int64_t r = i, o = 0;
+    for (int d = nb - 1; d >= 0; d--) {
+      o += (r % out.shape(d)) * a.strides()[d];
+      r /= out.shape(d);
+    }
+    off[i] = o;
+  }
+  return off;
+}
+
+void LowbitQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
+  auto& s = inputs[2];
+  auto& b = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(x);
+  enc.set_input_array(w);
+  enc.set_input_array(s);
+  enc.set_input_array(b);
+  enc.set_output_array(out);
+
+  Args a{};
+  a.K = w.shape(-2);
+  a.N = out.shape(-1);
+  a.M = x.ndim() > 1 ? x.shape(-2) : 1;
+  a.bits = bits_;
+  a.group = group_size_;
+  a.x_dt = dt_code(x.dtype());
+  a.s_dt = dt_code(s.dtype());
+  a.out_dt = dt_code(out.dtype());
+  a.batch = out.size() / ((int64_t)a.M * a.N);
+  if (out.size() == 0) return;
+  auto st = [](const mx::array& v, int back) -> int64_t { return v.ndim() >= back ? v.strides()[v.ndim() - back] : 0; };
+  a.x_sk = st(x, 1);
+  a.x_sm = st(x, 2);
+  a.w_sj = st(w, 1);
+  a.w_sk = st(w, 2);
+  a.s_sg = st(s, 1);
+  a.s_sk = st(s, 2);
+  a.b_sg = st(b, 1);
+  a.b_sk = st(b, 2);
+  // x with ndim==2 and batched w: mx.quantized_matmul uses batch 0 of w (out is 2-D) -> offsets 0
+  auto xo = std::make_shared<std::vector<int64_t>>(batch_offsets(x, out, a.batch));
+  auto wo = std::make_shared<std::vector<int64_t>>(batch_offsets(w, out, a.batch));
+  auto so = std::make_shared<std::vector<int64_t>>(batch_offsets(s, out, a.batch));
+  auto bo = std::make_shared<std::vector<int64_t>>(batch_offsets(b, out, a.batch));
+  // data pointers include each array's own offset
+  a.x = x.data<void>();
+  a.w = w.data<uint32_t>();
+  a.s = s.data<void>();
+  a.b = b.data<void>();
+  a.out = out.data<void>();
+  enc.dispatch([a, xo, wo, so, bo]() mutable {
+    std::vector<float> sx((size_t)a.K * 4), so_((size_t)a.N * 4);
+    a.x_off = xo->data();
+    a.w_off = wo->data();
+    a.s_off = so->data();
+    a.b_off = bo->data();
+    a.scratch_x = sx.data();
+    a.scratch_o = so_.data();
+    if (has_avx2()) avx2::run(a);
+    else base::run(a);
+  });
+}
+
+void LowbitQmm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[qmm_few_rows] no GPU implementation");
+}
+
+bool LowbitQmm::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const LowbitQmm&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::vector<mx::Shape> LowbitQmm::output_shapes(const std::vector<mx::array>& inputs) {
+  auto sh = inputs[0].shape();
+  sh.back() = inputs[1].shape(-1) * 32 / bits_;
+  return {sh};
+}
+
+}  // namespace lowbit

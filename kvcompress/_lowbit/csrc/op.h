@@ -1,0 +1,30 @@
+#pragma once
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace lowbit {
+
+// Drop-in for mx::quantized_matmul(x, w, scales, biases, transpose=false, group_size, bits, "affine")
+// on the CPU: unpacks each tile of codes once for up to 4 rows of x.
+mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
+                       const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
+
+bool has_avx2();
+
+class LowbitQmm : public mx::UnaryPrimitive {
+ public:
+  LowbitQmm(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "LowbitQmm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace lowbit

@@ -1,0 +1,200 @@
+"""The few-row low-bit CPU kernel (``kvcompress.ops.quantized_matmul``): MLX's product, faster.
+
+On Linux x86-64 the kernel is built on first use (CMake + a C++ compiler + nanobind); where one
+of those is missing the kernel tests skip with the reason and MLX's kernel serves the product
+(tested here too). A build that fails with every prerequisite present is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcompress import _lowbit, ops
+from kvcompress._lowbit import _build
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    st = _lowbit.status(build=True)
+    if not st["available"]:
+        reason = st["reason"] or ""
+        if _build._missing() or "only built on" in reason or "KVCOMPRESS_LOWBIT=0" in reason:
+            pytest.skip(f"low-bit kernel not available here: {reason}")
+        pytest.fail(f"low-bit kernel failed with every prerequisite present: {reason}")
+    return _lowbit._kernel()
+
+
+def _store(rng, shape, bits, group, dtype):
+    w = mx.array(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+    return mx.quantize(w, group_size=group, bits=bits)
+
+
+def _reference(x, q, s, b, group, bits):
+    """float64 ``x @ dequantize(w)``."""
+    w = np.array(mx.dequantize(q, s, b, group_size=group, bits=bits).astype(mx.float32), dtype=np.float64)
+    return np.array(x.astype(mx.float32), dtype=np.float64) @ w
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", list(DTYPES))
+def test_kernel_equals_mlx_for_float32_queries(kernel, bits, group, sdtype):
+    """Float32 ``x``: MLX's result up to float32 rounding, for 1..16 rows (blocks of 4 + rest)."""
+    rng = np.random.default_rng(bits * 1000 + group)
+    q, s, b = _store(rng, (2, 3, 48, 256), bits, group, DTYPES[sdtype])
+    for m in (1, 2, 3, 4, 5, 8, 13, 16):
+        x = mx.array(rng.normal(size=(2, 3, m, 48)).astype(np.float32))
+        got = ops.quantized_matmul(x, q, s, b, group_size=group, bits=bits)
+        want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=group, bits=bits)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        scale = float(mx.abs(want).max().item())
+        assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()) <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("sdtype", ["float16", "bfloat16"])
+def test_kernel_half_precision_queries_accumulate_in_float32(kernel, sdtype):
+    """Half-precision ``x``: closer to the float64 product than MLX (which sums in half)."""
+    rng = np.random.default_rng(7)
+    dt = DTYPES[sdtype]
+    q, s, b = _store(rng, (1, 2, 64, 1024), 2, 32, dt)
+    x = mx.array(rng.normal(size=(1, 2, 4, 64)).astype(np.float32)).astype(dt)
+    got = ops.quantized_matmul(x, q, s, b, group_size=32, bits=2)
+    assert got.dtype == dt
+    ref = _reference(x, q, s, b, 32, 2)
+    err = np.abs(np.array(got.astype(mx.float32)) - ref).max() / np.abs(ref).max()
+    half_ulp = {"float16": 2.0**-11, "bfloat16": 2.0**-8}[sdtype]
+    assert err <= 2 * half_ulp
+
+
+@pytest.mark.parametrize("case", ["broadcast_x", "broadcast_w", "two_d", "transposed_x", "sliced_w"])
+def test_kernel_reads_any_layout_like_mlx(kernel, case):
+    rng = np.random.default_rng(3)
+    q, s, b = _store(rng, (3, 64, 512), 2, 32, mx.float32)
+    x = mx.array(rng.normal(size=(3, 4, 64)).astype(np.float32))
+    if case == "broadcast_x":
+        x = x[:1]
+    elif case == "broadcast_w":
+        q, s, b = q[:1], s[:1], b[:1]
+    elif case == "two_d":
+        x, q, s, b = x[0], q[0], s[0], b[0]
+    elif case == "transposed_x":
+        x = mx.array(rng.normal(size=(3, 64, 4)).astype(np.float32)).swapaxes(-1, -2)
+    else:
+        q, s, b = q[..., 8:24], s[..., 4:12], b[..., 4:12]  # columns 128..383
+    got = ops.quantized_matmul(x, q, s, b, group_size=32, bits=2)
+    want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=2)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+
+
+def test_kernel_is_lazy_and_composes_under_compile(kernel):
+    rng = np.random.default_rng(5)
+    q, s, b = _store(rng, (2, 64, 256), 4, 64, mx.float32)
+    x = mx.array(rng.normal(size=(2, 4, 64)).astype(np.float32))
+    f = mx.compile(lambda x: mx.softmax(ops.quantized_matmul(x * 0.5, q, s, b, group_size=64, bits=4), axis=-1))
+    want = mx.softmax(mx.quantized_matmul(x * 0.5, q, s, b, transpose=False, group_size=64, bits=4), axis=-1)
+    assert mx.allclose(f(x), want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_kernel_baseline_build_without_avx2(kernel):
+    """The SSE2 build (CPUs without AVX2) gives the same products (a fresh process: the CPU
+    check is made once)."""
+    code = textwrap.dedent("""
+        import mlx.core as mx, numpy as np
+        from kvcompress import _lowbit, ops
+        assert _lowbit.status(build=True)["avx2"] is False
+        rng = np.random.default_rng(1)
+        for bits, group in ((2, 32), (4, 64), (8, 128)):
+            q, s, b = mx.quantize(mx.array(rng.normal(size=(2, 64, 512)).astype(np.float32)), group_size=group, bits=bits)
+            x = mx.array(rng.normal(size=(2, 5, 64)).astype(np.float32))
+            got = ops.quantized_matmul(x, q, s, b, group_size=group, bits=bits)
+            want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=group, bits=bits)
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item(), (bits, group)
+        print("ok")
+    """)
+    env = {**os.environ, "KVCOMPRESS_LOWBIT_NO_AVX2": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_disabled_kernel_falls_back_to_mlx(monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_LOWBIT", "0")
+    monkeypatch.setattr(_lowbit, "_resolved", {})
+    rng = np.random.default_rng(2)
+    q, s, b = _store(rng, (1, 64, 256), 2, 32, mx.float32)
+    x = mx.array(rng.normal(size=(1, 4, 64)).astype(np.float32))
+    got = ops.quantized_matmul(x, q, s, b, group_size=32, bits=2)
+    want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=2)
+    assert mx.array_equal(got, want).item()
+    st = _lowbit.status()
+    assert st["available"] is False and "KVCOMPRESS_LOWBIT=0" in st["reason"]
+
+
+def test_missing_prerequisite_is_reported_and_falls_back(monkeypatch, tmp_path):
+    """No CMake: no build is attempted, the reason is kept, and MLX's kernel serves the product."""
+    monkeypatch.setenv("KVCOMPRESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVCOMPRESS_LOWBIT", raising=False)
+    monkeypatch.setattr(_lowbit, "_resolved", {})
+    monkeypatch.setattr(_lowbit, "_not_applicable", lambda: None)
+    monkeypatch.setattr(_build, "_cmake", lambda: None)
+    rng = np.random.default_rng(4)
+    q, s, b = _store(rng, (1, 64, 128), 4, 32, mx.float32)
+    x = mx.array(rng.normal(size=(1, 2, 64)).astype(np.float32))
+    got = ops.quantized_matmul(x, q, s, b, group_size=32, bits=4)
+    assert mx.array_equal(got, mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=4)).item()
+    st = _lowbit.status()
+    assert st["available"] is False and "CMake is not installed" in st["reason"]
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_failed_build_is_recorded_once(monkeypatch, tmp_path):
+    """A build that fails leaves its reason next to the cache entry; the next process reads it
+    instead of building again."""
+    monkeypatch.setenv("KVCOMPRESS_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def failing_build(entry, so):
+        calls.append(entry)
+        raise _build.BuildError("building the low-bit kernel failed (exit 1); log: x")
+
+    monkeypatch.setattr(_build, "_build", failing_build)
+    monkeypatch.setattr(_build, "_missing", lambda: None)
+    for _ in range(2):
+        with pytest.raises(_build.BuildError, match="exit 1"):
+            _build.load()
+    assert len(calls) == 1
+    assert (_build.entry_dir() / "FAILED").read_text().startswith("building the low-bit kernel failed")
+
+
+def test_kivi_decode_with_the_kernel_matches_mlx_kernel(kernel, monkeypatch):
+    """A KIVI cache decodes the same logits (float32 rounding apart) and tokens whichever kernel
+    reads its 2-bit store."""
+    import kvcompress
+    from conftest import tiny_llama
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=1, vocab=97, seed=3)
+    prompt = mx.array([[(7 * i) % 97 for i in range(160)]])
+
+    def run():
+        cache = kvcompress.make_prompt_cache(model, "kivi", budget=32)
+        logits, tok = [], model(prompt, cache=cache)[:, -1:]
+        for _ in range(6):
+            logits.append(tok[0, -1])
+            tok = model(mx.argmax(tok, axis=-1), cache=cache)
+        assert cache[0].diagnostics["quantized_tokens"] > 0
+        return mx.stack(logits)
+
+    fast = run()
+    monkeypatch.setattr(_lowbit, "_resolved", {"module": None, "reason": "test"})
+    plain = run()
+    assert mx.array_equal(mx.argmax(fast, axis=-1), mx.argmax(plain, axis=-1)).item()
+    assert mx.allclose(fast, plain, rtol=1e-4, atol=1e-4).item()
