@@ -106,7 +106,7 @@ def stack_rows(component, hooks: dict, states: list, rows: list):
     if all(s is None for s in states):
         return None
     if "stack_rows" in hooks:
-        return hooks["stack_rows"](states)
+        return hooks["stack_rows"](states, list(rows))
     first = next(s for s in states if s is not None)
     changes = {}
     for f in _rows_fields(first):

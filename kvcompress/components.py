@@ -199,8 +199,10 @@ class CommonHooks:
     def take_rows(self, state: Any, rows: list) -> Any:
         """The state of the given batch rows (default: index every rows field)."""
 
-    def stack_rows(self, states: list) -> Any:
-        """One state from per-row-group states, in order (default: concatenate rows fields)."""
+    def stack_rows(self, states: list, rows: list) -> Any:
+        """One state from per-row-group states, in order (``rows[i]`` batch rows in
+        ``states[i]``, which may be a fresh state that has not seen a step yet; default:
+        concatenate rows fields)."""
 
     def bind(self, model: Any, caches: list) -> None:
         """Read static facts from the model into the caches' states (called once at build)."""

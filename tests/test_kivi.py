@@ -207,7 +207,7 @@ def test_attend_rows_with_different_stores_equals_each_row_alone(n):
     for i, pushed in enumerate(rows):
         k, v = _kv(1, h, max(pushed, 1), d, seed=40 + i)
         solo.append(disp._push(KiviState(n_quant=[0], n_buf=[0]), k, v, [pushed]))
-    both = disp.stack_rows(solo)
+    both = disp.stack_rows(solo, [1] * len(solo))
     assert both.n_quant == [96, 32, 0] and both.n_buf == [5, 2, 0] and both.width == 96
     t = 12
     ks, vs = _kv(3, h, t, d, seed=50)

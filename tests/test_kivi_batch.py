@@ -159,7 +159,7 @@ def test_dispose_with_per_row_counts_equals_each_row_alone(steps, bits):
     for i in range(b):
         alone = solo[i] if solo[i].n_quant else KiviState(n_quant=[0], n_buf=[0])
         _rows_equal(disp.take_rows(both, [i]), alone, disp)
-    again = disp.stack_rows([disp.take_rows(both, [i]) for i in range(b)])
+    again = disp.stack_rows([disp.take_rows(both, [i]) for i in range(b)], [1] * b)
     assert again.n_quant == (both.n_quant or [0] * b) and again.n_buf == (both.n_buf or [0] * b)
     for x, y in zip(again.arrays(), both.arrays()):
         assert (x is None and y is None) or mx.array_equal(x, y)

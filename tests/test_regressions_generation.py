@@ -168,6 +168,32 @@ def test_batch_generate_rows_equal_their_solo_runs(model, method):
     assert r.token_ids == solo
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_requests_joining_a_running_batch_equal_their_solo_runs(model, method):
+    """Bug (kvzip, found under ``kvcompress serve``): two fresh requests merged, then joined to
+    a running batch whose row still waited for its next reconstruction, read rows out of bounds
+    (a segfault, or another row's text): a component's ``stack_rows`` was not told how many rows
+    a fresh state holds. Requests arriving while another runs generate what they would alone."""
+    from mlx_lm.generate import BatchGenerator
+
+    prompts = [prompt_tokens(n, salt=i) for i, n in enumerate((37, 11, 11))]
+    solo = [[int(t) for t, _ in generate_step(mx.array(p), model, prompt_cache=caches_for(model, method, 12),
+                                              max_tokens=6)] for p in prompts]
+    gen = BatchGenerator(model, max_tokens=6)
+    uids = gen.insert(prompts[:1], caches=[caches_for(model, method, 12)])
+    toks = {uids[0]: []}
+    for i in range(200):
+        if i == 1:  # the first request is running: two more arrive together
+            uids = uids + gen.insert(prompts[1:], caches=[caches_for(model, method, 12) for _ in prompts[1:]])
+            toks.update({u: [] for u in uids[1:]})
+        for r in gen.next()[1]:
+            toks[r.uid].append(r.token)
+        if len(uids) == 3 and all(len(toks[u]) >= 6 for u in uids):
+            break
+    gen.close()
+    assert [toks[u] for u in uids] == solo
+
+
 @pytest.mark.parametrize("target", ["nearest", "window"])
 def test_cam_batch_rows_merge_into_the_same_targets_as_alone(model, target):
     """Bug (found by these tests, fixed in plugins/kvcompress_cam/merge.py): in a batch whose rows

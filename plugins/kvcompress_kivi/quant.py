@@ -124,11 +124,12 @@ class KiviQuant:
             setattr(out, f, x)
         return out
 
-    def stack_rows(self, states: list) -> KiviState:
-        """One state holding every state's rows in order (stores padded to the widest)."""
+    def stack_rows(self, states: list, rows: list) -> KiviState:
+        """One state holding every state's rows in order (``rows[i]`` in ``states[i]``; stores
+        padded to the widest)."""
         states = [s if isinstance(s, KiviState) else KiviState() for s in states]
-        out = KiviState(n_quant=[x for s in states for x in (s.n_quant or [0])],
-                        n_buf=[x for s in states for x in (s.n_buf or [0])])
+        out = KiviState(n_quant=[x for s, r in zip(states, rows) for x in (s.n_quant or [0] * r)],
+                        n_buf=[x for s, r in zip(states, rows) for x in (s.n_buf or [0] * r)])
         width = max(s.width for s in states)
         for fields in (("buf_k", "buf_v"), _STORE_FIELDS):
             like = next((s for s in states if getattr(s, fields[0]) is not None), None)
@@ -136,11 +137,11 @@ class KiviQuant:
                 continue
             for f in fields:
                 parts = []
-                for s in states:
+                for s, r in zip(states, rows):
                     x = getattr(s, f)
                     if x is None:  # rows that hold nothing here: zeros
                         shape = list(getattr(like, f).shape)
-                        shape[0] = s.rows
+                        shape[0] = r
                         if f in _STORE_FIELDS:
                             shape[_units(f, self.group, self.bits)[0]] = 0
                         x = mx.zeros(shape, getattr(like, f).dtype)

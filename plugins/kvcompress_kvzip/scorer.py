@@ -140,13 +140,12 @@ class KVzipScorer:
                           waiting=[w[i] if i < len(w) else 0 for i in rows] if w else (),
                           flush=[bool(f[i]) if i < len(f) else False for i in rows] if f else ())
 
-    def stack_rows(self, states: list) -> KVzipState:
-        """Rows of several caches: ids padded to the widest (``-1``)."""
+    def stack_rows(self, states: list, rows: list) -> KVzipState:
+        """Rows of several caches (``rows[i]`` in ``states[i]``): ids padded to the widest (``-1``)."""
         states = [s if s is not None else KVzipState() for s in states]
         width = max([s.ids.shape[1] for s in states if s.ids is not None] or [0])
         ids, pos, prev, waiting, flush = [], [], [], [], []
-        for s in states:
-            r = s.rows()
+        for s, r in zip(states, rows):
             empty = mx.full((r, max(width, 1)), -1, mx.int32)
             ids.append(_pad_cols(s.ids, width) if s.ids is not None else empty[:, :width])
             pos.append(_pad_cols(s.pos, width) if s.pos is not None else empty[:, :width])
@@ -154,7 +153,7 @@ class KVzipScorer:
             waiting += list(s.waiting or (0,) * r)
             flush += list(s.flush or (False,) * r)
         has = width > 0
-        if not any(s.waiting for s in states):  # no step has told these states their rows yet
+        if not any(s.waiting for s in states):  # nothing waits yet: only the previous pieces' tails
             return KVzipState(prev=None if all(s.prev is None for s in states) else mx.concatenate(prev))
         return KVzipState(ids=mx.concatenate(ids) if has else None, pos=mx.concatenate(pos) if has else None,
                           prev=mx.concatenate(prev), waiting=waiting, flush=flush)
