@@ -23,7 +23,6 @@ get plain positions plus ``owner``. With ``g = 1`` (every other selector) nothin
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -33,14 +32,13 @@ from ._engine_attend import UNDO_TOKENS, _AttendMixin
 from ._engine_plan import _PlanMixin
 from ._engine_state import _STATE_VERSION, _StateMixin
 from .contexts import Eviction, LayerInfo, Selection
-from .errors import ConfigError
+from .errors import ConfigError, KVCompressError
 from .group import PromptGroup, new_group
 
 __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
 
 _OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24 tokens)
 _POS_MASK = (1 << _OWNER_SHIFT) - 1
-_tokens_warned = False
 
 
 def _ensure_wrapped() -> None:
@@ -191,6 +189,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         # process must find the wrapper installed too (a no-op once no new module was imported)
         _ensure_wrapped()
         b, h, S, _ = keys.shape
+        tokens = self._take_tokens(b, S) if self._wants_tokens else None  # may refuse: nothing changed yet
         if not self._g:
             self._setup_groups(h)
         g = self._g
@@ -199,7 +198,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             values = values.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
         self._ensure_rows(b)
         if self._wants_tokens:
-            self._step_tokens = self._take_tokens(b, S)
+            self._step_tokens = tokens
         valid = self._take_valid(S)
         need = self._need(valid)
         freed = self._evict(need) if any(need) else None
@@ -226,22 +225,16 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         return k, v
 
     def _take_tokens(self, b: int, S: int):
-        """The step's token ids ``[B, S]`` the model hook handed over (None, with a one-time
-        warning, when the model was called without it: those tokens stay unscored)."""
-        global _tokens_warned
+        """The step's token ids ``[B, S]`` the model hook handed over; without them the step is
+        refused before the cache changes (the scorer would silently score differently)."""
         tok, self._tokens = self._tokens, None
         if tok is not None and tuple(tok.shape) == (b, S):
             return tok
-        if not _tokens_warned:
-            warnings.warn(
-                f"kvcompress: scorer {type(self.method.scorer).__name__} needs the step's token ids, "
-                "but the model was called without kvcompress's model hook; these tokens are left "
-                "unscored. Call kvcompress.install(model) or use kvcompress.make_prompt_cache(model, ...).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            _tokens_warned = True
-        return None
+        raise KVCompressError(
+            f"scorer {type(self.method.scorer).__name__} needs the step's token ids, but the model was "
+            "called without kvcompress's model hook (e.g. a cache loaded in a fresh process): call "
+            "kvcompress.install(model) first (make_prompt_cache does it); the cache is unchanged"
+        )
 
     def keys_and_values(self):
         if self.keys.shape[2] == self._n:

@@ -4,7 +4,6 @@ pass may touch, its reported cost, the model hook's token ids, and retrieval at 
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import ClassVar
 
 import attrs
@@ -14,7 +13,7 @@ import pytest
 
 import kvcompress
 from kvcompress import ComponentSpec, hookimpl, ops
-from kvcompress import _engine, _scoring_pass
+from kvcompress import _scoring_pass
 from kvcompress.batch_cache import BatchCompressedKVCache
 from kvcompress.registry import Registry
 from kvcompress_kvzip import KVzipScorer, pass_score, repeat_prompt
@@ -275,18 +274,22 @@ def test_toy_scorer_gets_exactly_the_pass_tokens_it_asked_for_in_every_layer():
     assert np.all(np.array(cache[0]._score)[..., :5] >= 2.0)  # the stored slots' scores came back
 
 
-def test_cache_stepped_without_tokens_warns_once():
+def test_cache_stepped_without_tokens_is_refused_unchanged(tmp_path):
+    """Bug: a kvzip cache stepped without the model hook (e.g. loaded in a fresh process) left
+    the step's tokens unscored with one warning, so its continuation silently diverged from the
+    uninterrupted run. Now the step is refused before the cache changes; after
+    ``kvcompress.install(model)`` the same step runs."""
     model = tiny_llama()
     cache = kvcompress.make_prompt_cache(model, "kvzip", budget=16)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    before = [np.array(a) for a in cache[0].state if isinstance(a, mx.array)]
     base = kvcompress.mlxlm.attention.base_class(model)
-    _engine._tokens_warned = False
-    with pytest.warns(RuntimeWarning, match="token ids"):
-        base.__call__(model, mx.array([[1, 2, 3]]), cache=cache)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        base.__call__(model, mx.array([[4]]), cache=cache)
-    assert np.all(np.array(cache[0]._score) == 0)  # left unscored
-    assert cache[0].diagnostics["kvzip_waiting"] == 0
+    with pytest.raises(kvcompress.KVCompressError, match="token ids.*kvcompress.install"):
+        base.__call__(model, mx.array([[6]]), cache=cache)
+    after = [np.array(a) for a in cache[0].state if isinstance(a, mx.array)]
+    assert cache[0].offset == 5 and all(np.array_equal(x, y) for x, y in zip(before, after))
+    model(mx.array([[6]]), cache=cache)  # the hooked model: fine
+    assert cache[0].offset == 6
 
 
 def test_trimmed_step_never_reaches_a_pass():

@@ -24,7 +24,7 @@ score 1, so they are never evicted unscored):
 * in decoding: when ``interval`` generated ids wait (``interval = 0``: never; generated tokens
   then keep the provisional 1 and leave only as the selector's oldest-first fallback).
 
-Tokens stepped without the model hook (no ids) enter at 0, unscored.
+A step without the model hook (no ids) is refused by the cache before anything changes.
 """
 
 from __future__ import annotations
