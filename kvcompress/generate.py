@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
-    "add_arguments", "run", "check_args", "cache_report", "full_cache_bytes", "prompt_tokens",
+    "add_arguments", "run", "check_args", "cache_report", "prompt_tokens",
     "load_model",
 ]
 
@@ -216,18 +216,6 @@ def prompt_tokens(tokenizer, text: str, *, chat_template: bool = True, system_pr
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
-def full_cache_bytes(offset: int, keys, values, step: Optional[int] = None) -> int:
-    """Bytes mlx-lm's ``KVCache`` holds after ``offset`` tokens with keys/values shaped like
-    ``keys``/``values`` ``[B, H, *, D]``: it allocates ``step`` (256) tokens at a time."""
-    if step is None:
-        from mlx_lm.models.cache import KVCache
-
-        step = KVCache.step
-    b, h = keys.shape[:2]
-    capacity = -(-int(offset) // step) * step
-    return capacity * b * h * (keys.shape[-1] * keys.dtype.size + values.shape[-1] * values.dtype.size)
-
-
 def cache_report(cache: list) -> dict[str, int]:
     """Bytes the caches hold vs what mlx-lm's own ``KVCache`` would hold for the same tokens."""
     from .cache import CompressedKVCache
@@ -237,8 +225,7 @@ def cache_report(cache: list) -> dict[str, int]:
         n = int(getattr(c, "nbytes", 0) or 0)
         held += n
         if isinstance(c, CompressedKVCache):
-            if c.keys is not None:
-                full += full_cache_bytes(c.offset, c.keys, c.values)
+            full += c.full_cache_nbytes()
         else:
             full += n  # a layer kvcompress does not compress keeps its own cache either way
     return {"held_bytes": int(held), "full_bytes": int(full)}
