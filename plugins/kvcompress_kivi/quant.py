@@ -195,6 +195,11 @@ class KiviQuant:
         buf_k = state.buf_k if state.buf_k is not None else mx.zeros((b, h, g, k.shape[-1]), k.dtype)
         buf_v = state.buf_v if state.buf_v is not None else mx.zeros((b, h, g, v.shape[-1]), v.dtype)
         total = [x + c for x, c in zip(nb, counts)]
+        if state.buf_k is not None and len(set(nb)) == 1 and counts == [e] * b and nb[0] + e < g:
+            # a decode step's usual case: every row appends its e tokens at the same buffer slot
+            at = mx.array([nb[0]], mx.int32)
+            return attrs.evolve(state, buf_k=mx.slice_update(state.buf_k, k, at, axes=(2,)),
+                                buf_v=mx.slice_update(state.buf_v, v, at, axes=(2,)), n_buf=total)
         packed = [x // g * g for x in total]
         rest = [x - p for x, p in zip(total, packed)]
         # row b's token j (buffer first, then its new tokens) sits at seq[j] (j < nb) or g + j - nb
