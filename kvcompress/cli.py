@@ -159,8 +159,13 @@ def cmd_config_validate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .bench._options import check_file_stem, check_out_dir, out_dir
+
     mod = importlib.import_module(BENCH_WORKLOADS[args.workload])
     try:
+        check_out_dir(out_dir(args))  # before any work: a run must not fail at its last step
+        if getattr(args, "out_name", None) is not None:
+            check_file_stem(args.out_name)
         mod.run(args)
     except ValueError as exc:  # bad settings: unknown methods, impossible sizes, ...
         print(f"kvcompress bench {args.workload}: error: {exc}", file=sys.stderr)

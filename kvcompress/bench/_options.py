@@ -24,6 +24,8 @@ __all__ = [
     "settings_from_args",
     "add_output_arguments",
     "out_dir",
+    "check_out_dir",
+    "check_file_stem",
 ]
 
 #: The default output folder, relative to the current working directory: the user's own folder,
@@ -108,3 +110,29 @@ def add_output_arguments(parser, what: str) -> None:
 def out_dir(args) -> Path:
     """The output folder ``--out`` names (relative paths: under the current folder)."""
     return Path(getattr(args, "out", None) or DEFAULT_OUT)
+
+
+def check_out_dir(path, option: str = "--out") -> None:
+    """Raise ``ValueError`` (one line) unless ``path`` is a folder results can be written to, or
+    one that can be created: called before a run, so a long run never fails at its last step."""
+    import os
+
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: not a folder (a file is there); name a folder for the results")
+    probe = path
+    while not probe.exists():  # the nearest existing folder is where it will be created
+        if probe.is_symlink():
+            raise ValueError(f"{option} {path}: {probe} is a broken link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{option} {path}: {probe} is a file, not a folder; name a folder for the results")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {probe} is not writable; name a folder you can write to")
+
+
+def check_file_stem(stem: str, option: str = "--out-name") -> None:
+    """Raise ``ValueError`` unless ``stem`` is a plain file name stem (no folder, not empty)."""
+    if not stem or stem in (".", "..") or "/" in stem or "\\" in stem or "\0" in stem or stem.strip() != stem:
+        raise ValueError(f"{option} must be a plain file name stem (no folders, not empty), got {stem!r}; "
+                         "use --out to choose the folder")

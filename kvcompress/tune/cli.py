@@ -81,9 +81,15 @@ def check_args(args) -> None:
 
         reg = get_registry()
         unknown = [m for m in args.methods if m not in reg.methods]
-        if unknown or not args.methods:
-            raise ValueError(f"--methods: unknown {unknown or 'nothing given'}; registered: "
+        if not args.methods:
+            raise ValueError(f"--methods: no method named; give a comma list of registered methods: "
                              f"{', '.join(sorted(reg.methods))}")
+        if unknown:
+            raise ValueError(f"--methods: unknown {unknown}; registered: "
+                             f"{', '.join(sorted(reg.methods))}")
+    from kvcompress.bench._options import check_out_dir
+
+    check_out_dir(args.out)
 
 
 def _workload(args):

@@ -1,0 +1,100 @@
+"""Regression tests for the command line's bad-input handling: each bad input is one
+``kvcompress ...: error: ...`` line on stderr, exit status 2, checked before any work, with
+nothing written. Each test's docstring names the bug it catches."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompress.cli import main
+
+
+@pytest.fixture(autouse=True)
+def no_reexec(monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_NO_BLAS_REEXEC", "1")
+
+
+def _rc(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+
+
+def _one_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(prefix), err
+    return err
+
+
+def _no_run(monkeypatch, module: str):
+    """Make a workload's ``run`` fail the test: the check must come before it."""
+    import importlib
+
+    def run(args):
+        raise AssertionError("the workload ran before its output folder was checked")
+
+    monkeypatch.setattr(importlib.import_module(module), "run", run)
+
+
+# ------------------------------------------------------------------------------------------
+# Output folders and file stems: checked before any work
+# ------------------------------------------------------------------------------------------
+
+BENCH = ["retrieval", "synthetic", "perplexity", "speed", "scaling", "serve", "distributed"]
+
+
+@pytest.mark.parametrize("workload", BENCH)
+def test_bench_out_that_is_a_file_is_refused_before_the_run(workload, tmp_path, capsys, monkeypatch):
+    """Bug: ``bench retrieval/synthetic --out FILE`` ran the whole benchmark, then failed with a
+    FileExistsError traceback while writing the results."""
+    from kvcompress.cli import BENCH_WORKLOADS
+
+    _no_run(monkeypatch, BENCH_WORKLOADS[workload])
+    f = tmp_path / "afile"
+    f.write_text("keep")
+    assert _rc(["bench", workload, "--out", str(f)]) == 2
+    assert "not a folder" in _one_line(capsys, f"kvcompress bench {workload}: error: --out {f}")
+    assert _rc(["bench", workload, "--out", str(f / "sub")]) == 2
+    assert "is a file, not a folder" in _one_line(capsys, f"kvcompress bench {workload}: error: --out")
+    assert f.read_text() == "keep"
+
+
+def test_bench_out_in_an_unwritable_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """Bug: an unwritable ``--out`` was only found after the run."""
+    import os
+
+    _no_run(monkeypatch, "kvcompress.bench.retrieval")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert _rc(["bench", "retrieval", "--out", str(tmp_path / "res")]) == 2
+    assert "is not writable" in _one_line(capsys, "kvcompress bench retrieval: error: --out")
+
+
+@pytest.mark.parametrize("workload", ["speed", "serve"])
+@pytest.mark.parametrize("stem", ["", "../../x", "a/b", ".."])
+def test_bench_out_name_must_be_a_plain_file_stem(workload, stem, tmp_path, capsys, monkeypatch):
+    """Bug: ``bench speed --out-name ""`` wrote ``.json``; ``--out-name ../../x`` wrote outside
+    ``--out``."""
+    _no_run(monkeypatch, f"kvcompress.bench.{workload}")
+    assert _rc(["bench", workload, "--out", str(tmp_path), "--out-name", stem]) == 2
+    assert "plain file name stem" in _one_line(capsys, f"kvcompress bench {workload}: error: --out-name")
+    assert not list(tmp_path.iterdir())
+
+
+def test_tune_out_that_is_a_file_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Bug: ``tune --out FILE`` searched for minutes, then failed with a traceback."""
+    import kvcompress.tune.cli as tune_cli
+
+    monkeypatch.setattr(tune_cli, "_workload", lambda args: pytest.fail("loaded before checking --out"))
+    f = tmp_path / "afile"
+    f.write_text("keep")
+    assert _rc(["tune", "--budget", "8", "--out", str(f)]) == 2
+    assert "not a folder" in _one_line(capsys, f"kvcompress tune: error: --out {f}")
+
+
+def test_tune_empty_methods_says_none_was_named(capsys):
+    """Bug: ``tune --methods ""`` said "unknown nothing given"."""
+    assert _rc(["tune", "--budget", "8", "--methods", ""]) == 2
+    err = _one_line(capsys, "kvcompress tune: error: --methods: no method named")
+    assert "h2o" in err
