@@ -98,3 +98,65 @@ def test_tune_empty_methods_says_none_was_named(capsys):
     assert _rc(["tune", "--budget", "8", "--methods", ""]) == 2
     err = _one_line(capsys, "kvcompress tune: error: --methods: no method named")
     assert "h2o" in err
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress serve: mlx-lm's options checked before the model loads and any thread starts
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve(monkeypatch, capsys):
+    """``kvcompress serve ARGS`` in this process (mlx_lm.server's hooks restored afterwards),
+    with a --model that does not exist: a check that comes first names its own problem."""
+    import mlx_lm.server as srv
+
+    from kvcompress.mlxlm.commands import main as mlx_main
+
+    monkeypatch.setattr(srv, "ModelProvider", srv.ModelProvider)
+    monkeypatch.setattr(srv, "LRUPromptCache", srv.LRUPromptCache)
+    monkeypatch.setattr(srv, "run", lambda *a, **k: pytest.fail("mlx-lm's server started"))
+
+    def run(*args):
+        rc = mlx_main("serve", ["--model", "/no/such/model", "--method", "h2o", *args])
+        return rc, _one_line(capsys, "kvcompress serve: error: ")
+
+    return run
+
+
+def test_serve_busy_port_is_one_line_before_the_model_loads(serve):
+    """Bug: a busy ``--port`` printed an OSError traceback after loading the model, and the
+    process never exited (mlx-lm's generation thread was already running)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, err = serve("--host", "127.0.0.1", "--port", str(port))
+    assert rc == 2 and f"cannot listen on 127.0.0.1 port {port}: the port is in use" in err, err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--port", "-1"], "--port must be in [1, 65535], got -1"),
+    (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+    (["--temp", "-1"], "--temp must be >= 0, got -1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0"),
+    (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid': not an address of this machine"),
+])
+def test_serve_bad_port_and_sampling_options_are_one_line(serve, args, says):
+    """Bug: ``serve --port -1`` / ``70000`` printed a traceback and hung; ``--temp -1`` and
+    ``--max-tokens 0`` were accepted (generate refuses them)."""
+    rc, err = serve(*args)
+    assert rc == 2 and says in err, err
+
+
+def test_serve_checks_the_model_after_the_options(serve):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, err = serve("--host", "127.0.0.1", "--port", str(port))
+    assert rc == 2 and "cannot load --model '/no/such/model'" in err, err
