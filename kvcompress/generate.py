@@ -201,12 +201,18 @@ def load_model(name: str, pipeline: bool = False):
                                 tensor_group=None if pipeline else group)
         return mlx_lm.load(name)
     except Exception as exc:  # mlx-lm and huggingface_hub raise many types for a bad name
-        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        if Path(name).is_dir():
-            raise ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})") from exc
-        raise ConfigError(
-            f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})"
-        ) from exc
+        raise model_error(name, exc) from exc
+
+
+def model_error(name: str, exc: BaseException):
+    """The ConfigError for a model mlx-lm could not load: a folder it cannot read, or a name that
+    is neither a local folder nor a reachable Hugging Face id (``generate``, ``chat``)."""
+    from .errors import ConfigError
+
+    why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    if Path(name).is_dir():
+        return ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})")
+    return ConfigError(f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})")
 
 
 def _read_saved_cache(path: str) -> list:

@@ -109,6 +109,9 @@ def run_distributed(settings: dict, progress=print) -> dict:
     s = {**DEFAULTS, **settings}
     check_minimums(s, {k: 1 for k in ("context", "budget", "blocks", "block_tokens", "prefill_step_size",
                                       "hidden", "n_layers")})
+    if s["hidden"] % 16:  # write_model's Llama/Qwen2: 8 attention heads of an even size (RoPE)
+        raise ValueError(f"hidden must be a multiple of 16 (the random models: 8 attention heads of an even "
+                         f"size), got {s['hidden']}")
     from kvcompress import build_method
 
     for m in s["methods"]:

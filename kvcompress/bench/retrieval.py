@@ -102,6 +102,10 @@ def check_settings(s: dict) -> None:
     """Raise ``ValueError`` for impossible settings (before anything runs)."""
     from .retrieval_data import TASKS
 
+    if s.get("model") is not None and not (Path(s["model"]).expanduser() / "config.json").is_file():
+        raise ValueError(f"--model {s['model']}: no retrieval model folder there (config.json missing); leave "
+                         f"--model out for the one shipped in {ASSET_DIR}, or train one with "
+                         "scripts/train_retrieval_model.py")
     check_at_least("ratios", s["ratios"], 1, " (budget = context // ratio)")
     check_minimums(s, {"context": 1, "samples": 1, "n_pairs": 1, "n_queries": 1, "prefill_chunks": 0,
                                 "n_sink": 0, "seed": 0})
