@@ -320,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, quietly)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        try:
+            sys.stdout.flush()
+        except Exception:  # pragma: no cover - a closed pipe
+            pass
+        print("", file=sys.stderr)  # end the progress bar's or the answer's line
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._blas import reexec_with_openblas
 

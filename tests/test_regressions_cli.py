@@ -160,3 +160,80 @@ def test_serve_checks_the_model_after_the_options(serve):
         port = s.getsockname()[1]
     rc, err = serve("--host", "127.0.0.1", "--port", str(port))
     assert rc == 2 and "cannot load --model '/no/such/model'" in err, err
+
+
+# ------------------------------------------------------------------------------------------
+# Bad models, texts and sizes name the option that is wrong
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty-folder"])
+def test_chat_bad_model_is_one_line_naming_it(kind, tmp_path, capsys, monkeypatch):
+    """Bug: ``chat --model /nonexist`` (or a folder without config.json) was a traceback;
+    generate and serve said what was wrong in one line."""
+    from kvcompress.mlxlm.commands import main as mlx_main
+
+    model = tmp_path / "model"
+    if kind == "empty-folder":
+        model.mkdir()
+    assert mlx_main("chat", ["--model", str(model)]) == 2
+    err = _one_line(capsys, "kvcompress chat: error: ")
+    if kind == "missing":
+        assert f"model {str(model)!r} is neither a local mlx-lm folder nor a reachable Hugging Face id" in err
+    else:
+        assert f"model folder {str(model)!r} could not be loaded by mlx-lm" in err and "config.json" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["retrieval", "--model", "/no/such/model"], "--model /no/such/model: no retrieval model folder there"),
+    (["perplexity", "--model", "/no/such/model"], "--model /no/such/model: no mlx-lm model folder there"),
+    (["perplexity", "--text", "/no/such/text.txt"], "--text /no/such/text.txt: no file there"),
+    (["perplexity", "--text", "."], "--text .: a folder; name a UTF-8 text file"),
+    (["distributed", "--quick", "--hidden", "7"], "hidden must be a multiple of 16"),
+    (["serve", "--quick", "--hidden", "7"], "hidden must be a multiple of n_heads (4), got 7"),
+])
+def test_bench_bad_paths_and_shapes_are_one_line(argv, says, tmp_path, capsys, monkeypatch):
+    """Bug: ``bench retrieval --model /nonexist`` was a FileNotFoundError traceback; ``bench
+    perplexity --model/--text`` bad paths did not say which option was wrong (or exited 1);
+    ``--hidden 7`` (not a multiple of the heads) failed deep in mlx-lm with a traceback."""
+    import mlx_lm
+
+    monkeypatch.setattr(mlx_lm, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert _rc(["bench", *argv, "--out", str(tmp_path)]) == 2
+    assert says in _one_line(capsys, f"kvcompress bench {argv[0]}: error: ")
+    assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_is_a_quiet_exit_130(monkeypatch, capsys, tmp_path):
+    """Bug: Ctrl-C during ``kvcompress bench`` printed a KeyboardInterrupt traceback."""
+    import kvcompress.bench.synthetic as synthetic
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synthetic, "run", interrupted)
+    assert main(["bench", "synthetic", "--out", str(tmp_path)]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_cache_file_missing_a_tensor_names_it(model, tmp_path):
+    """Bug: a cache file with one tensor removed (digest still valid) loaded, then failed at
+    generation with "AttributeError: 'dict' object has no attribute 'shape'"."""
+    import mlx.core as mx
+
+    import kvcompress
+    from kvcompress.persistence import CorruptCacheFile, load_prompt_cache, save_prompt_cache
+
+    cache = kvcompress.make_prompt_cache(model, "h2o", budget=16)
+    model(mx.arange(40)[None], cache=cache)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    arrays, meta = mx.load(path, return_metadata=True)
+    for drop, says in [("0.0", "missing tensor '0.0' of layer 0"), ("1.", "missing layer 1 (all its tensors)")]:
+        kept = {k: v for k, v in arrays.items() if not (k == drop or (drop.endswith(".") and k.startswith(drop)))}
+        bad = str(tmp_path / "bad.safetensors")
+        mx.save_safetensors(bad, kept, meta)
+        with pytest.raises(CorruptCacheFile, match="the file is damaged or incomplete: " + says.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            load_prompt_cache(bad)
+    assert len(load_prompt_cache(path)) == len(cache)
