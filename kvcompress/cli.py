@@ -133,9 +133,15 @@ def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
         for layer, b in enumerate(budgets):
             reserved = method.selector.reserved(int(b))
             if reserved >= b:
+                from .factory import smallest_budget
+
+                size = getattr(method.budget, "budget", None)
+                least = smallest_budget(method, ModelInfo(n_layers=n), size) if isinstance(size, int) else None
                 raise ConfigError(
                     f"{where}: layer {layer} gets {b} tokens but selector {selector!r} always keeps "
-                    f"{reserved} (sinks + recent window); raise the budget or protect fewer tokens"
+                    f"{reserved} (sinks + recent window); "
+                    + (f"the smallest budget that builds is {least}" if least else "raise the budget")
+                    + " or protect fewer tokens"
                 )
 
 

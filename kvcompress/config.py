@@ -83,8 +83,10 @@ class MethodConfig:
             )
         try:
             return cls(**data)
+        except ConfigError:
+            raise
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid method config: {exc}") from exc
+            raise ConfigError(f"invalid method config: {validator_message(exc)}") from None
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {}
@@ -147,11 +149,61 @@ _converter.register_structure_hook(float, _strict(float, (numbers.Real,), float)
 _converter.register_structure_hook(str, _strict(str, (str,), str))
 
 
+def did_you_mean(value: Any, choices) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``value``, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validator_message(exc: BaseException) -> str:
+    """One plain sentence for an ``attrs`` validator error (whose ``str`` is a tuple holding the
+    Attribute): ``bits must be one of 2, 4, 8, got 3``; other errors as they are."""
+    args = getattr(exc, "args", ())
+    if len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], attrs.Attribute):
+        name, value = args[1].name, args[-1]
+        if len(args) == 4 and isinstance(args[2], (tuple, list, set, frozenset, dict)):  # attrs' in_
+            choices = list(args[2])
+            return (f"{name} must be one of {', '.join(map(repr, choices)) if any(isinstance(c, str) for c in choices) else ', '.join(map(str, choices))}, "
+                    f"got {value!r}{did_you_mean(value, choices) if isinstance(value, str) else ''}")
+        if len(args) == 4 and isinstance(args[2], (type, tuple)):  # attrs' instance_of
+            kinds = args[2] if isinstance(args[2], tuple) else (args[2],)
+            want = " or ".join(k.__name__ for k in kinds)
+            return f"{name} must be a {want}, got {value!r} ({type(value).__name__})"
+        return args[0].replace(f"'{name}'", name)
+    return str(exc)
+
+
+def _literal_message(exc: BaseException) -> Optional[str]:
+    """cattrs' ``X not in literal typing.Literal[...]`` as the valid choices and a did-you-mean."""
+    import typing
+
+    text = str(exc)
+    if " not in literal " not in text:
+        return None
+    literal = getattr(exc, "type", None) or getattr(exc, "literal", None)
+    choices = list(typing.get_args(literal)) if literal is not None else []
+    if not choices:
+        import re
+
+        found = re.search(r"Literal\[(.*)\]", text)
+        choices = [c.strip().strip("'\"") for c in found.group(1).split(",")] if found else []
+    value = text.split(" not in literal ")[0]
+    return f"{value!r} is not one of {', '.join(repr(c) for c in choices)}{did_you_mean(value, choices)}"
+
+
 def _describe(exc: BaseException, _type) -> str:
     """cattrs' error formatter, keeping the validators' own messages (the default drops them)."""
     if isinstance(exc, ForbiddenExtraKeysError):
-        return f"unknown parameter(s) {sorted(exc.extra_fields)}"
-    return str(exc)
+        extra = sorted(exc.extra_fields)
+        cl = getattr(exc, "cl", None)
+        names = [f.name for f in attrs.fields(cl) if f.init] if cl is not None and attrs.has(cl) else []
+        return f"unknown parameter(s) {extra}{did_you_mean(extra[0], names) if extra else ''}"
+    literal = _literal_message(exc)
+    if literal is not None:
+        return literal
+    return validator_message(exc)
 
 
 def _messages(exc: BaseException, path: str) -> list[str]:
@@ -170,11 +222,12 @@ def structure_component(spec, params: dict, owner: str = "") -> Any:
     try:
         return _converter.structure(dict(params), spec.cls)
     except ForbiddenExtraKeysError as exc:
+        extra = sorted(exc.extra_fields)
         raise ConfigError(
-            f"{label}: unknown parameter(s) {sorted(exc.extra_fields)}; valid parameters: {valid}"
+            f"{label}: unknown parameter(s) {extra}{did_you_mean(extra[0], valid) or ';'} valid parameters: {valid}"
         ) from None
     except (ClassValidationError, IterableValidationError) as exc:
         msgs = _messages(exc, label)
         raise ConfigError("; ".join(msgs) + f" (valid parameters: {valid})") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{label}: {exc} (valid parameters: {valid})") from None
+        raise ConfigError(f"{label}: {validator_message(exc)} (valid parameters: {valid})") from None
