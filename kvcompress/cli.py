@@ -26,14 +26,22 @@ DEFAULT_WORKLOAD = "retrieval"
 PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
 
 
-def _registry():
-    from .registry import get_registry
+def _registry(listing: bool = False):
+    """The process-wide registry; ``listing``: for ``plugins`` and ``doctor``, which must still
+    run when two plugins claim one name (the later claimant is listed as failed, with why)."""
+    from .errors import PluginError
+    from .registry import Registry, get_registry
 
-    return get_registry()
+    try:
+        return get_registry()
+    except PluginError:
+        if not listing:
+            raise
+        return Registry(tolerate_collisions=True)
 
 
 def cmd_plugins(args) -> int:
-    reg = _registry()
+    reg = _registry(listing=True)
     rows = reg.plugins()
     if args.json:
         print(json.dumps([
@@ -224,7 +232,7 @@ def cmd_doctor(args) -> int:
     lowbit = _lowbit.status()
     print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"]
                            else f"MLX's quantized_matmul: {lowbit['reason']}"))
-    reg = _registry()
+    reg = _registry(listing=True)
     for p in reg.plugins():
         print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
     if reg.failed():
