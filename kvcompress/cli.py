@@ -236,12 +236,15 @@ def cmd_doctor(args) -> int:
     for p in reg.plugins():
         print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
     if reg.failed():
-        print(f"{len(reg.failed())} plugin(s) failed to load; set KVCOMPRESS_STRICT_PLUGINS=1 for a traceback")
+        print(f"{len(reg.failed())} plugin(s) failed to load (why: on its line above); "
+              "KVCOMPRESS_STRICT_PLUGINS=1 makes a broken plugin an error instead of a skip")
     return 0
 
 
 def _add_bench_parser(sub) -> None:
     """``kvcompress bench [WORKLOAD]``; its help lists every workload with its one-line summary."""
+    from .bench._options import DEFAULT_OUT
+
     mods, summaries = {}, {}
     for name, modname in BENCH_WORKLOADS.items():
         try:
@@ -255,7 +258,7 @@ def _add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench", help=f"compare methods side by side (default workload: {DEFAULT_WORKLOAD})",
         description="Compare methods side by side on a workload; each prints a table and\n"
-                    "writes JSON and a plot under docs/results/.",
+                    f"writes JSON and a plot under ./{DEFAULT_OUT}/ (--out DIR picks another).",
         epilog=f"workloads:\n{listing}\n\n`kvcompress bench WORKLOAD --help` lists a workload's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,8 +5,8 @@ A method is named (``method = "cam"``) or composed from one component of each ki
     method = "cam"                  # or leave out and name all four components
     [params]                        # routed to every component with a parameter of that name
     budget = 64
-    [disposition]                   # override a component, or just its parameters
-    name = "gated_merge"
+    [disposition]                   # override a component (name = ...), or, without
+    name = "gated_merge"            # a name, only the parameters of the method's own
     merge = "mean"
 
 Errors name the field, the bad value and the valid choices.
@@ -37,9 +37,7 @@ def _component(value: Any) -> Optional["ComponentConfig"]:
         return ComponentConfig(name=value)
     if isinstance(value, dict):
         value = dict(value)
-        if "name" not in value:
-            raise ConfigError(f"a component table needs a 'name' key, got keys {sorted(value)}")
-        name = value.pop("name")
+        name = value.pop("name", "")  # "": the named method's own component, these parameters changed
         params = value.pop("params", {})
         return ComponentConfig(name=name, params={**value, **params})
     raise ConfigError(f"a component is a name or a table with 'name', got {value!r}")
@@ -47,7 +45,8 @@ def _component(value: Any) -> Optional["ComponentConfig"]:
 
 @attrs.frozen
 class ComponentConfig:
-    """A component by registered name, with parameter overrides."""
+    """A component by registered name, with parameter overrides (``name=""``: the named
+    method's own component, only its parameters changed)."""
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
     params: dict = attrs.field(factory=dict, converter=dict)
@@ -65,6 +64,16 @@ class MethodConfig:
     disposition: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
     budget: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
     params: dict = attrs.field(factory=dict, converter=dict)
+
+    def __attrs_post_init__(self):
+        for kind in KINDS:
+            c = self.component(kind)
+            if c is not None and not c.name and self.method is None:
+                raise ConfigError(
+                    f"the [{kind}] table needs a 'name' key when no method is named, got keys "
+                    f"{sorted(c.params)}; with method = \"...\", a table without 'name' changes the "
+                    f"parameters of that method's own {kind}"
+                )
 
     def component(self, kind: str) -> Optional[ComponentConfig]:
         return getattr(self, kind)
@@ -95,7 +104,7 @@ class MethodConfig:
         for kind in KINDS:
             c = self.component(kind)
             if c is not None:
-                out[kind] = {"name": c.name, **c.params}
+                out[kind] = {**({"name": c.name} if c.name else {}), **c.params}
         if self.params:
             out["params"] = dict(self.params)
         return out

@@ -86,7 +86,7 @@ def build_method(
         flat.update(spec.params)
     for kind in KINDS:
         c = config.component(kind)
-        if c is not None:
+        if c is not None and c.name:  # a table without a name keeps the method's component
             names[kind] = c.name
     missing = [k for k in KINDS if k not in names]
     if missing == ["budget"] and _is_budget_number("budget", params.get("budget", "")):

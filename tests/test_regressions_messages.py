@@ -94,3 +94,48 @@ def test_a_budget_size_given_as_a_string_says_it_must_be_an_int():
     """Bug: ``budget="32"`` said "unknown budget '32'"."""
     msg = _error(build_method, "h2o", budget="32")
     assert msg.startswith("budget '32' is a string; the budget size must be an int (budget=32)")
+
+
+# ------------------------------------------------------------------------------------------
+# Docs that said something the code did not do
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_component_table_without_a_name_changes_only_the_methods_parameters(tmp_path):
+    """Bug: docs/cli.md said a ``[disposition]`` table may override only its parameters, but a
+    table without ``name`` was rejected."""
+    path = tmp_path / "c.toml"
+    path.write_text('method = "cam"\n[params]\nbudget = 64\n[disposition]\nmerge = "mean"\n'
+                    '[selector]\nn_sink = 8\n')
+    m = build_method(kvcompress.load_config(path))
+    base = build_method("cam", budget=64)
+    assert m.config.disposition.name == base.config.disposition.name and m.disposition.merge == "mean"
+    assert m.config.selector.name == base.config.selector.name and m.selector.n_sink == 8
+    assert m.scorer == base.scorer and m.budget == base.budget
+    again = kvcompress.load_config(path).to_dict()
+    assert "name" not in again["disposition"] and build_method(again) == m
+    with pytest.raises(ConfigError, match=r"the \[disposition\] table needs a 'name' key when no method is named"):
+        kvcompress.load_config({**COMPOSED, "budget": "uniform", "disposition": {"merge": "mean"}})
+
+
+def test_bench_help_names_the_real_output_folder(capsys):
+    """Bug: ``kvcompress bench --help`` said results go under docs/results/ (the default is
+    ./kvcompress-results)."""
+    from kvcompress.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "./kvcompress-results/" in " ".join(out.split()) and "docs/results" not in out
+
+
+def test_docs_say_what_the_code_does():
+    """Bugs: docs/quickstart.md said mlx-lm's loader cannot read kvcompress cache files (it
+    can); docs/cli.md said KVCOMPRESS_STRICT_PLUGINS=1 gives a traceback (the CLI prints one
+    line)."""
+    from conftest import REPO
+
+    quick = " ".join((REPO / "docs" / "quickstart.md").read_text().split())
+    cli = " ".join((REPO / "docs" / "cli.md").read_text().split())
+    assert "mlx-lm's loader only knows" not in quick and "mlx-lm's own `load_prompt_cache`" in quick
+    assert "error with a traceback" not in cli and "one `error:` line from the command line" in cli
