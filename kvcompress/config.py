@@ -174,8 +174,9 @@ def validator_message(exc: BaseException) -> str:
         name, value = args[1].name, args[-1]
         if len(args) == 4 and isinstance(args[2], (tuple, list, set, frozenset, dict)):  # attrs' in_
             choices = list(args[2])
-            return (f"{name} must be one of {', '.join(map(repr, choices)) if any(isinstance(c, str) for c in choices) else ', '.join(map(str, choices))}, "
-                    f"got {value!r}{did_you_mean(value, choices) if isinstance(value, str) else ''}")
+            shown = ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
+            near = did_you_mean(value, choices) if isinstance(value, str) else ""
+            return f"{name} must be one of {shown}, got {value!r}{near}"
         if len(args) == 4 and isinstance(args[2], (type, tuple)):  # attrs' instance_of
             kinds = args[2] if isinstance(args[2], tuple) else (args[2],)
             want = " or ".join(k.__name__ for k in kinds)

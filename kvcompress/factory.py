@@ -18,7 +18,8 @@ from .mlxlm.attention import base_class, install, install_layer_io
 from .mlxlm.distributed import topology
 from .registry import Registry
 
-__all__ = ["make_prompt_cache", "smallest_budget", "check_room_to_evict", "model_info", "default_cache", "attach", "detach", "KVCacheConfig", "KVCacheBuilder"]
+__all__ = ["make_prompt_cache", "smallest_budget", "check_room_to_evict", "model_info", "default_cache", "attach",
+           "detach", "KVCacheConfig", "KVCacheBuilder"]
 
 
 def _attention_modules(model: nn.Module) -> list:

@@ -96,8 +96,28 @@ def test_tune_out_that_is_a_file_is_refused_before_the_model_loads(tmp_path, cap
 def test_tune_empty_methods_says_none_was_named(capsys):
     """Bug: ``tune --methods ""`` said "unknown nothing given"."""
     assert _rc(["tune", "--budget", "8", "--methods", ""]) == 2
-    err = _one_line(capsys, "kvcompress tune: error: --methods: no method named")
-    assert "h2o" in err
+    _one_line(capsys, "kvcompress tune: error: argument --methods: no method named")
+    from kvcompress.tune.cli import check_args
+
+    args = __import__("argparse").Namespace(quick=False, budget=8, candidates=1, finalists=1, windows=1,
+                                            held_out=1, window=64, prefill=1, batch=1, seed=0, top=0,
+                                            max_minutes=1.0, data=None, model=None, methods=(), out="x")
+    with pytest.raises(ValueError, match="--methods: no method named; give a comma list of registered methods: "):
+        check_args(args)
+
+
+@pytest.mark.parametrize("command", [*(["bench", w] for w in BENCH if w != "serve"), ["tune", "--budget", "8"]])
+def test_methods_take_commas_or_spaces_and_refuse_nothing(command, capsys):
+    """Bug: ``bench synthetic/speed --methods h2o,cam`` failed (they took spaces only) while the
+    other workloads took commas only; ``bench retrieval --methods ""`` ran every method."""
+    from kvcompress.cli import build_parser
+
+    parser = build_parser()
+    for given in (["h2o,cam"], ["h2o", "cam"], ["h2o,", "cam"], ["h2o, cam"]):
+        assert parser.parse_args([*command, "--methods", *given]).methods == ("h2o", "cam"), given
+    for empty in ("", ",", " "):
+        assert _rc([*command, "--methods", empty]) == 2
+        assert "argument --methods: no method named" in _one_line(capsys, f"kvcompress {command[0]}")
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Results go to ``kvcompress-results/`` under the current folder unless ``--out`` 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +17,7 @@ __all__ = [
     "DEFAULT_OUT",
     "int_list",
     "name_list",
+    "NameList",
     "check_at_least",
     "check_minimums",
     "at_least",
@@ -43,6 +45,19 @@ def int_list(v: Any) -> tuple:
 def name_list(text: str) -> tuple:
     """``"a, b,"`` -> ``("a", "b")`` (a command-line option type)."""
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+class NameList(argparse.Action):
+    """``--methods a,b c``: names separated by commas and/or spaces, in one argument or several
+    (use with ``nargs="+"``); stored as a tuple. Naming nothing (``--methods ""``) is an error,
+    not "every method"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = [values] if isinstance(values, str) else values
+        names = tuple(x for v in values for x in v.replace(",", " ").split())
+        if not names:
+            raise argparse.ArgumentError(self, "no method named; give names separated by commas or spaces")
+        setattr(namespace, self.dest, names)
 
 
 def check_at_least(name: str, value: Any, low: int, hint: str = "") -> None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._options import add_output_arguments, check_minimums, name_list, out_dir, settings_from_args
+from ._options import NameList, add_output_arguments, check_minimums, out_dir, settings_from_args
 from ._report import caption, finish, machine_info, print_table, pyplot, save_plot, write_json
 
 __all__ = ["add_arguments", "run", "run_distributed", "write_model", "projections", "DEFAULTS", "QUICK"]
@@ -187,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--context", type=int, help="prompt tokens (default 1024)")
     parser.add_argument("--budget", type=int, help="tokens kept per layer (default 128)")
-    parser.add_argument("--methods", type=name_list, help="comma list (default h2o,snapkv,tova)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default h2o,snapkv,tova)")
     parser.add_argument("--blocks", type=int, help="interleaved decode blocks (default 3)")
     parser.add_argument("--block-tokens", type=int, help="decode tokens per block (default 16)")
     parser.add_argument("--hidden", type=int, help="hidden size of the random models (default 256)")

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import QUANTIZED, entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import DEFAULT_OUT, add_output_arguments, check_minimums, int_list, name_list
+from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_minimums, int_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
@@ -370,8 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int_list, help="comma list of budgets (default 64,256)")
     parser.add_argument("--batch", type=int, help="windows decoded together (default 32)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered "
-                        "method); quantized2, quantized4, quantized8 add mlx-lm's QuantizedKVCache")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: every registered method); quantized2, "
+                             "quantized4, quantized8 add mlx-lm's QuantizedKVCache")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
     parser.add_argument("--step-tokens", type=int,
                         help="decode tokens per forward, as speculative decoding verifies drafts (default 1)")

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import DEFAULT_OUT, add_output_arguments, check_at_least, check_minimums, int_list, name_list
+from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_at_least, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
@@ -348,7 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunks", type=int_list,
                         help="prefill chunk sizes to compare; 0 = whole prompt in one step (default 64)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
     add_output_arguments(parser, "retrieval.json/.png")
 

@@ -14,7 +14,7 @@ DEFAULTS = {"candidates": 100, "max_minutes": 10.0, "finalists": 4, "windows": 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvcompress.bench._options import DEFAULT_OUT, name_list
+    from kvcompress.bench._options import DEFAULT_OUT, NameList
 
     d = DEFAULTS
     p.add_argument("--model", help="mlx-lm model folder or Hugging Face id (default: the embedded retrieval "
@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "per-layer budgets)")
     p.add_argument("--data", help="UTF-8 text to score perplexity on, with --model (default: the TinyStories "
                                   "validation text the perplexity benchmark uses)")
-    p.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
+    p.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                   help="methods, separated by commas or spaces (default: every registered method)")
     p.add_argument("--candidates", type=int, default=d["candidates"],
                    help=f"at most this many candidates measured (default {d['candidates']})")
     p.add_argument("--max-minutes", type=float, default=d["max_minutes"],
