@@ -40,6 +40,12 @@ def _registry(listing: bool = False):
         return Registry(tolerate_collisions=True)
 
 
+def _width(names, least: int = 16) -> int:
+    """The name column's width: ``least``, or the longest name (a name never runs into the next
+    column)."""
+    return max([least, *(len(n) for n in names)])
+
+
 def cmd_plugins(args) -> int:
     reg = _registry(listing=True)
     rows = reg.plugins()
@@ -50,8 +56,9 @@ def cmd_plugins(args) -> int:
             for p in rows
         ], indent=2))
         return 0
+    width = _width(p.name for p in rows)
     for p in rows:
-        print(f"{p.name:<16} {p.dist} {p.version}  [{p.status}]")
+        print(f"{p.name:<{width}} {p.dist} {p.version}  [{p.status}]")
         for c in p.components:
             print(f"    {c}")
         if p.error:
@@ -73,11 +80,12 @@ def cmd_components(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=repr))
         return 0
+    width = _width(it["name"] for items in out.values() for it in items)
     for kind, items in out.items():
         print(f"{kind}s:")
         for it in items:
             params = ", ".join(f"{k}={v!r}" for k, v in it["params"].items())
-            print(f"  {it['name']:<16} {it['summary']}  ({params or 'no parameters'}) [{it['plugin']}]")
+            print(f"  {it['name']:<{width}} {it['summary']}  ({params or 'no parameters'}) [{it['plugin']}]")
     return 0
 
 
@@ -112,12 +120,13 @@ def cmd_methods(args) -> int:
                               **({"why": why[n]} if why[n] else {})}
                           for n, p in sorted(reg.methods.items())}, indent=2))
         return 0
+    width = _width(reg.methods)
     for name, prov in sorted(reg.methods.items()):
         s = prov.spec
         if why[name]:
-            print(f"{name:<16} [unavailable: {why[name]}]")
+            print(f"{name:<{width}} [unavailable: {why[name]}]")
         else:
-            print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+            print(f"{name:<{width}} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
     return 0
 
 
@@ -233,8 +242,9 @@ def cmd_doctor(args) -> int:
     print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"]
                            else f"MLX's quantized_matmul: {lowbit['reason']}"))
     reg = _registry(listing=True)
+    width = _width((p.name for p in reg.plugins()), 14)
     for p in reg.plugins():
-        print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
+        print(f"plugin     {p.name:<{width}} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
     if reg.failed():
         print(f"{len(reg.failed())} plugin(s) failed to load (why: on its line above); "
               "KVCOMPRESS_STRICT_PLUGINS=1 makes a broken plugin an error instead of a skip")
@@ -287,6 +297,9 @@ def _one_line(exc: BaseException) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcompress", description=__doc__)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvcompress {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their package, version and components")
@@ -299,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_components)
 
     p = sub.add_parser("methods", help="list named methods (compositions)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="the README's methods table")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true", help="the README's methods table")
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("config", help="work with method config files")

@@ -257,3 +257,45 @@ def test_a_cache_file_missing_a_tensor_names_it(model, tmp_path):
                            .replace(")", r"\)")):
             load_prompt_cache(bad)
     assert len(load_prompt_cache(path)) == len(cache)
+
+
+# ------------------------------------------------------------------------------------------
+# Listings and small options
+# ------------------------------------------------------------------------------------------
+
+
+def test_listing_columns_stay_aligned_for_long_names(monkeypatch, capsys):
+    """Bug: ``kvcompress methods`` / ``doctor`` ran a name of 17+ characters into the next
+    column."""
+    import types
+
+    import kvcompress.cli as cli
+    from kvcompress import MethodSpec, hookimpl
+    from kvcompress.registry import Registry
+
+    long = "a_really_long_method_name"
+    mod = types.SimpleNamespace(kvcompress_methods=hookimpl(
+        lambda: [MethodSpec(long, "h2o", "lowest", "drop", "uniform", "long")]))
+    reg = Registry(plugins=[("a_really_long_plugin_name", mod)])
+    monkeypatch.setattr(cli, "_registry", lambda listing=False: reg)
+    assert main(["methods"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    second = {len(line) - len(line[len(line.split()[0]):].lstrip(" ")) for line in rows}  # column 2 starts
+    assert len(second) == 1 and second.pop() == len(long) + 1, rows
+    assert main(["plugins"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(" ")]
+    assert len({len(ln) - len(ln[len(ln.split()[0]):].lstrip(" ")) for ln in lines}) == 1, lines
+
+
+def test_methods_json_and_markdown_are_mutually_exclusive(capsys):
+    """Bug: ``methods --json --markdown`` printed the Markdown and ignored --json."""
+    assert _rc(["methods", "--json", "--markdown"]) == 2
+    assert "not allowed with argument --json" in _one_line(capsys, "kvcompress methods: error: ")
+
+
+def test_version(capsys):
+    """``kvcompress --version`` did not exist."""
+    import kvcompress
+
+    assert _rc(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvcompress {kvcompress.__version__}"
