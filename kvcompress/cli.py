@@ -26,14 +26,28 @@ DEFAULT_WORKLOAD = "retrieval"
 PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
 
 
-def _registry():
-    from .registry import get_registry
+def _registry(listing: bool = False):
+    """The process-wide registry; ``listing``: for ``plugins`` and ``doctor``, which must still
+    run when two plugins claim one name (the later claimant is listed as failed, with why)."""
+    from .errors import PluginError
+    from .registry import Registry, get_registry
 
-    return get_registry()
+    try:
+        return get_registry()
+    except PluginError:
+        if not listing:
+            raise
+        return Registry(tolerate_collisions=True)
+
+
+def _width(names, least: int = 16) -> int:
+    """The name column's width: ``least``, or the longest name (a name never runs into the next
+    column)."""
+    return max([least, *(len(n) for n in names)])
 
 
 def cmd_plugins(args) -> int:
-    reg = _registry()
+    reg = _registry(listing=True)
     rows = reg.plugins()
     if args.json:
         print(json.dumps([
@@ -42,8 +56,9 @@ def cmd_plugins(args) -> int:
             for p in rows
         ], indent=2))
         return 0
+    width = _width(p.name for p in rows)
     for p in rows:
-        print(f"{p.name:<16} {p.dist} {p.version}  [{p.status}]")
+        print(f"{p.name:<{width}} {p.dist} {p.version}  [{p.status}]")
         for c in p.components:
             print(f"    {c}")
         if p.error:
@@ -65,11 +80,12 @@ def cmd_components(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=repr))
         return 0
+    width = _width(it["name"] for items in out.values() for it in items)
     for kind, items in out.items():
         print(f"{kind}s:")
         for it in items:
             params = ", ".join(f"{k}={v!r}" for k, v in it["params"].items())
-            print(f"  {it['name']:<16} {it['summary']}  ({params or 'no parameters'}) [{it['plugin']}]")
+            print(f"  {it['name']:<{width}} {it['summary']}  ({params or 'no parameters'}) [{it['plugin']}]")
     return 0
 
 
@@ -104,12 +120,13 @@ def cmd_methods(args) -> int:
                               **({"why": why[n]} if why[n] else {})}
                           for n, p in sorted(reg.methods.items())}, indent=2))
         return 0
+    width = _width(reg.methods)
     for name, prov in sorted(reg.methods.items()):
         s = prov.spec
         if why[name]:
-            print(f"{name:<16} [unavailable: {why[name]}]")
+            print(f"{name:<{width}} [unavailable: {why[name]}]")
         else:
-            print(f"{name:<16} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+            print(f"{name:<{width}} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
     return 0
 
 
@@ -133,9 +150,15 @@ def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
         for layer, b in enumerate(budgets):
             reserved = method.selector.reserved(int(b))
             if reserved >= b:
+                from .factory import smallest_budget
+
+                size = getattr(method.budget, "budget", None)
+                least = smallest_budget(method, ModelInfo(n_layers=n), size) if isinstance(size, int) else None
                 raise ConfigError(
                     f"{where}: layer {layer} gets {b} tokens but selector {selector!r} always keeps "
-                    f"{reserved} (sinks + recent window); raise the budget or protect fewer tokens"
+                    f"{reserved} (sinks + recent window); "
+                    + (f"the smallest budget that builds is {least}" if least else "raise the budget")
+                    + " or protect fewer tokens"
                 )
 
 
@@ -159,8 +182,13 @@ def cmd_config_validate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .bench._options import check_file_stem, check_out_dir, out_dir
+
     mod = importlib.import_module(BENCH_WORKLOADS[args.workload])
     try:
+        check_out_dir(out_dir(args))  # before any work: a run must not fail at its last step
+        if getattr(args, "out_name", None) is not None:
+            check_file_stem(args.out_name)
         mod.run(args)
     except ValueError as exc:  # bad settings: unknown methods, impossible sizes, ...
         print(f"kvcompress bench {args.workload}: error: {exc}", file=sys.stderr)
@@ -213,16 +241,20 @@ def cmd_doctor(args) -> int:
     lowbit = _lowbit.status()
     print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"]
                            else f"MLX's quantized_matmul: {lowbit['reason']}"))
-    reg = _registry()
+    reg = _registry(listing=True)
+    width = _width((p.name for p in reg.plugins()), 14)
     for p in reg.plugins():
-        print(f"plugin     {p.name:<14} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
+        print(f"plugin     {p.name:<{width}} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
     if reg.failed():
-        print(f"{len(reg.failed())} plugin(s) failed to load; set KVCOMPRESS_STRICT_PLUGINS=1 for a traceback")
+        print(f"{len(reg.failed())} plugin(s) failed to load (why: on its line above); "
+              "KVCOMPRESS_STRICT_PLUGINS=1 makes a broken plugin an error instead of a skip")
     return 0
 
 
 def _add_bench_parser(sub) -> None:
     """``kvcompress bench [WORKLOAD]``; its help lists every workload with its one-line summary."""
+    from .bench._options import DEFAULT_OUT
+
     mods, summaries = {}, {}
     for name, modname in BENCH_WORKLOADS.items():
         try:
@@ -236,7 +268,7 @@ def _add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench", help=f"compare methods side by side (default workload: {DEFAULT_WORKLOAD})",
         description="Compare methods side by side on a workload; each prints a table and\n"
-                    "writes JSON and a plot under docs/results/.",
+                    f"writes JSON and a plot under ./{DEFAULT_OUT}/ (--out DIR picks another).",
         epilog=f"workloads:\n{listing}\n\n`kvcompress bench WORKLOAD --help` lists a workload's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -265,6 +297,9 @@ def _one_line(exc: BaseException) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcompress", description=__doc__)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvcompress {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list plugins, their package, version and components")
@@ -277,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_components)
 
     p = sub.add_parser("methods", help="list named methods (compositions)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="the README's methods table")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true", help="the README's methods table")
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("config", help="work with method config files")
@@ -315,6 +351,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, quietly)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        try:
+            sys.stdout.flush()
+        except Exception:  # pragma: no cover - a closed pipe
+            pass
+        print("", file=sys.stderr)  # end the progress bar's or the answer's line
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._blas import reexec_with_openblas
 

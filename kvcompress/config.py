@@ -5,8 +5,8 @@ A method is named (``method = "cam"``) or composed from one component of each ki
     method = "cam"                  # or leave out and name all four components
     [params]                        # routed to every component with a parameter of that name
     budget = 64
-    [disposition]                   # override a component, or just its parameters
-    name = "gated_merge"
+    [disposition]                   # override a component (name = ...), or, without
+    name = "gated_merge"            # a name, only the parameters of the method's own
     merge = "mean"
 
 Errors name the field, the bad value and the valid choices.
@@ -37,9 +37,7 @@ def _component(value: Any) -> Optional["ComponentConfig"]:
         return ComponentConfig(name=value)
     if isinstance(value, dict):
         value = dict(value)
-        if "name" not in value:
-            raise ConfigError(f"a component table needs a 'name' key, got keys {sorted(value)}")
-        name = value.pop("name")
+        name = value.pop("name", "")  # "": the named method's own component, these parameters changed
         params = value.pop("params", {})
         return ComponentConfig(name=name, params={**value, **params})
     raise ConfigError(f"a component is a name or a table with 'name', got {value!r}")
@@ -47,7 +45,8 @@ def _component(value: Any) -> Optional["ComponentConfig"]:
 
 @attrs.frozen
 class ComponentConfig:
-    """A component by registered name, with parameter overrides."""
+    """A component by registered name, with parameter overrides (``name=""``: the named
+    method's own component, only its parameters changed)."""
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
     params: dict = attrs.field(factory=dict, converter=dict)
@@ -66,6 +65,16 @@ class MethodConfig:
     budget: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
     params: dict = attrs.field(factory=dict, converter=dict)
 
+    def __attrs_post_init__(self):
+        for kind in KINDS:
+            c = self.component(kind)
+            if c is not None and not c.name and self.method is None:
+                raise ConfigError(
+                    f"the [{kind}] table needs a 'name' key when no method is named, got keys "
+                    f"{sorted(c.params)}; with method = \"...\", a table without 'name' changes the "
+                    f"parameters of that method's own {kind}"
+                )
+
     def component(self, kind: str) -> Optional[ComponentConfig]:
         return getattr(self, kind)
 
@@ -83,8 +92,10 @@ class MethodConfig:
             )
         try:
             return cls(**data)
+        except ConfigError:
+            raise
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid method config: {exc}") from exc
+            raise ConfigError(f"invalid method config: {validator_message(exc)}") from None
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {}
@@ -93,7 +104,7 @@ class MethodConfig:
         for kind in KINDS:
             c = self.component(kind)
             if c is not None:
-                out[kind] = {"name": c.name, **c.params}
+                out[kind] = {**({"name": c.name} if c.name else {}), **c.params}
         if self.params:
             out["params"] = dict(self.params)
         return out
@@ -147,11 +158,62 @@ _converter.register_structure_hook(float, _strict(float, (numbers.Real,), float)
 _converter.register_structure_hook(str, _strict(str, (str,), str))
 
 
+def did_you_mean(value: Any, choices) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``value``, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validator_message(exc: BaseException) -> str:
+    """One plain sentence for an ``attrs`` validator error (whose ``str`` is a tuple holding the
+    Attribute): ``bits must be one of 2, 4, 8, got 3``; other errors as they are."""
+    args = getattr(exc, "args", ())
+    if len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], attrs.Attribute):
+        name, value = args[1].name, args[-1]
+        if len(args) == 4 and isinstance(args[2], (tuple, list, set, frozenset, dict)):  # attrs' in_
+            choices = list(args[2])
+            shown = ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
+            near = did_you_mean(value, choices) if isinstance(value, str) else ""
+            return f"{name} must be one of {shown}, got {value!r}{near}"
+        if len(args) == 4 and isinstance(args[2], (type, tuple)):  # attrs' instance_of
+            kinds = args[2] if isinstance(args[2], tuple) else (args[2],)
+            want = " or ".join(k.__name__ for k in kinds)
+            return f"{name} must be a {want}, got {value!r} ({type(value).__name__})"
+        return args[0].replace(f"'{name}'", name)
+    return str(exc)
+
+
+def _literal_message(exc: BaseException) -> Optional[str]:
+    """cattrs' ``X not in literal typing.Literal[...]`` as the valid choices and a did-you-mean."""
+    import typing
+
+    text = str(exc)
+    if " not in literal " not in text:
+        return None
+    literal = getattr(exc, "type", None) or getattr(exc, "literal", None)
+    choices = list(typing.get_args(literal)) if literal is not None else []
+    if not choices:
+        import re
+
+        found = re.search(r"Literal\[(.*)\]", text)
+        choices = [c.strip().strip("'\"") for c in found.group(1).split(",")] if found else []
+    value = text.split(" not in literal ")[0]
+    return f"{value!r} is not one of {', '.join(repr(c) for c in choices)}{did_you_mean(value, choices)}"
+
+
 def _describe(exc: BaseException, _type) -> str:
     """cattrs' error formatter, keeping the validators' own messages (the default drops them)."""
     if isinstance(exc, ForbiddenExtraKeysError):
-        return f"unknown parameter(s) {sorted(exc.extra_fields)}"
-    return str(exc)
+        extra = sorted(exc.extra_fields)
+        cl = getattr(exc, "cl", None)
+        names = [f.name for f in attrs.fields(cl) if f.init] if cl is not None and attrs.has(cl) else []
+        return f"unknown parameter(s) {extra}{did_you_mean(extra[0], names) if extra else ''}"
+    literal = _literal_message(exc)
+    if literal is not None:
+        return literal
+    return validator_message(exc)
 
 
 def _messages(exc: BaseException, path: str) -> list[str]:
@@ -170,11 +232,12 @@ def structure_component(spec, params: dict, owner: str = "") -> Any:
     try:
         return _converter.structure(dict(params), spec.cls)
     except ForbiddenExtraKeysError as exc:
+        extra = sorted(exc.extra_fields)
         raise ConfigError(
-            f"{label}: unknown parameter(s) {sorted(exc.extra_fields)}; valid parameters: {valid}"
+            f"{label}: unknown parameter(s) {extra}{did_you_mean(extra[0], valid) or ';'} valid parameters: {valid}"
         ) from None
     except (ClassValidationError, IterableValidationError) as exc:
         msgs = _messages(exc, label)
         raise ConfigError("; ".join(msgs) + f" (valid parameters: {valid})") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{label}: {exc} (valid parameters: {valid})") from None
+        raise ConfigError(f"{label}: {validator_message(exc)} (valid parameters: {valid})") from None

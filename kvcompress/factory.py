@@ -18,7 +18,8 @@ from .mlxlm.attention import base_class, install, install_layer_io
 from .mlxlm.distributed import topology
 from .registry import Registry
 
-__all__ = ["make_prompt_cache", "model_info", "default_cache", "attach", "detach", "KVCacheConfig", "KVCacheBuilder"]
+__all__ = ["make_prompt_cache", "smallest_budget", "check_room_to_evict", "model_info", "default_cache", "attach",
+           "detach", "KVCacheConfig", "KVCacheBuilder"]
 
 
 def _attention_modules(model: nn.Module) -> list:
@@ -76,9 +77,81 @@ def _shared_array_mask(model: nn.Module) -> bool:
     return False
 
 
+class _DefaultMethod(str):
+    """The default method name ("cam"), told apart from an explicit ``"cam"`` so that a method
+    given together with ``config=`` is refused whatever its name."""
+
+
+#: ``method``'s default in :func:`make_prompt_cache` and :func:`attach`
+DEFAULT_METHOD = _DefaultMethod("cam")
+
+
+def _method_or_config(method, config):
+    """``method``, or the config it must not be given with (a ConfigError when both are)."""
+    if config is None:
+        return str(method) if isinstance(method, _DefaultMethod) else method
+    if method is not None and not isinstance(method, _DefaultMethod):
+        raise ConfigError(f"give either a method or config=..., not both (got method {_label(method)} "
+                          "and a config)")
+    return config if isinstance(config, MethodConfig) else load_config(config)
+
+
+def _label(method) -> str:
+    return repr(method) if isinstance(method, str) else type(method).__name__
+
+
+def smallest_budget(method: Method, info: ModelInfo, start: int, limit: int = 1 << 24) -> Optional[int]:
+    """The smallest size above ``start`` for ``method``'s budget component (its ``budget``
+    parameter) that gives every layer room to evict past the selector's protected tokens, or None
+    (no ``budget`` parameter, or none up to ``limit``). The protected window may grow with the
+    budget (``recent_ratio``), so this is found by trying sizes, not read off one layer."""
+    import attrs
+
+    comp = method.budget
+    if not (attrs.has(type(comp)) and "budget" in attrs.fields_dict(type(comp))):
+        return None
+
+    def ok(size: int) -> bool:
+        try:
+            budgets = attrs.evolve(comp, budget=size).layer_budgets(info)
+        except Exception:  # a size the budget component refuses
+            return False
+        return all(int(b) >= 1 and method.selector.reserved(int(b)) < int(b) for b in budgets)
+
+    lo, hi = max(start, 0), max(start, 1) * 2
+    while not ok(hi):  # the first working size is in (lo, hi]
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def check_room_to_evict(method: Method, info: ModelInfo, budgets) -> None:
+    """Raise ConfigError unless every layer budget exceeds the tokens the selector always keeps;
+    the message names the smallest budget that builds (:func:`smallest_budget`)."""
+    for layer, b in enumerate(budgets):
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            continue  # the cache itself reports a budget that is not a positive int
+        reserved = method.selector.reserved(b)
+        if reserved < b:
+            continue
+        size = getattr(method.budget, "budget", None)
+        least = smallest_budget(method, info, size) if isinstance(size, int) else None
+        hint = (f"the smallest budget that builds is {least}" if least is not None
+                else "raise the budget")
+        raise ConfigError(
+            f"layer {layer}: budget {b} leaves no room to evict: the selector always keeps {reserved} "
+            f"tokens (sinks + recent window, which may grow with the budget); {hint}, or protect "
+            "fewer tokens"
+        )
+
+
 def make_prompt_cache(
     model: nn.Module,
-    method: Union[str, MethodConfig, Method, dict, None] = "cam",
+    method: Union[str, MethodConfig, Method, dict, None] = DEFAULT_METHOD,
     *,
     config: Union[str, Path, dict, MethodConfig, None] = None,
     registry: Optional[Registry] = None,
@@ -94,10 +167,7 @@ def make_prompt_cache(
     ``KVCache`` (sliding-window, SSM state) keep their default cache. Installs the
     query-observing attention wrapper (:func:`kvcompress.install`).
     """
-    if config is not None:
-        if method not in ("cam", None):
-            raise ConfigError("give either a method or config=..., not both")
-        method = config if isinstance(config, MethodConfig) else load_config(config)
+    method = _method_or_config(method, config)
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **params)
     if isinstance(method, Method) and params:
         raise ConfigError("pass parameters to build_method, not with an already built Method")
@@ -120,6 +190,7 @@ def make_prompt_cache(
         raise ConfigError(
             f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {n_total} layers"
         )
+    check_room_to_evict(m, info, budgets)
     blocks = slots
     if _shared_array_mask(model) and ("layer_io" in m.budget.requires or len(set(budgets)) > 1):
         raise ConfigError(
@@ -193,15 +264,14 @@ class KVCacheBuilder:
         return make_prompt_cache(model, config.build(registry), registry=registry)
 
 
-def attach(model: nn.Module, method: Union[str, MethodConfig, Method, dict, None] = "cam", **kwargs: Any) -> Method:
+def attach(model: nn.Module, method: Union[str, MethodConfig, Method, dict, None] = DEFAULT_METHOD,
+           **kwargs: Any) -> Method:
     """Make ``model.make_cache()`` return compressed caches, so every mlx-lm entry point that
     builds its own caches (``mlx_lm.models.cache.make_prompt_cache``, ``BatchGenerator``,
     ``batch_generate``, the server, chat) compresses them. Takes the same arguments as
     :func:`make_prompt_cache`; returns the built method. :func:`detach` undoes it."""
     registry = kwargs.pop("registry", None)
-    config = kwargs.pop("config", None)
-    if config is not None:
-        method = config if isinstance(config, MethodConfig) else load_config(config)
+    method = _method_or_config(method, kwargs.pop("config", None))
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **kwargs)
     make_prompt_cache(model, m)  # validate against this model now, not at the first request
 

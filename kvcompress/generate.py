@@ -46,6 +46,17 @@ def _float_in(lo: float, hi: float, lo_open: bool = False):
     return parse
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a sampling seed, an int in [0, 2**64) (what ``mx.random.seed`` takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text!r}")
+    return value
+
+
 def _param(text: str) -> tuple[str, Any]:
     """argparse type: ``NAME=VALUE``, the value parsed as JSON, else kept as a string."""
     import json
@@ -91,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-m", type=positive_int, default=256, help="tokens to generate (>= 1)")
     p.add_argument("--temp", type=_float_in(0.0, float("inf")), default=0.0, help="sampling temperature (>= 0)")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus, in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=None, help="sampling seed, in [0, 2**64 - 1]")
     p.add_argument("--prefill-step-size", type=positive_int, default=2048)
     p.add_argument("--prompt-cache-file", default=None,
                    help="continue a saved cache (its method comes from the file) with --prompt")
@@ -122,17 +133,54 @@ def check_args(args):
                 f"--prompt-cache-file continues the saved cache with the method stored in the file; "
                 f"drop {', '.join(given)}"
             )
+        if Path(args.prompt_cache_file).is_dir():
+            raise ConfigError(f"--prompt-cache-file {args.prompt_cache_file!r} is a folder; name a saved "
+                              "cache file (.safetensors) written by --save-prompt-cache")
         if not Path(args.prompt_cache_file).is_file():
             raise ConfigError(f"--prompt-cache-file {args.prompt_cache_file!r} does not exist")
     if args.save_prompt_cache is not None:
         out = Path(args.save_prompt_cache)
+        if out.is_dir() or args.save_prompt_cache.endswith(("/", "\\")):
+            raise ConfigError(f"--save-prompt-cache {str(out)!r} is a folder; name a file in it, "
+                              f"e.g. {str(out / 'cache.safetensors')!r}")
         if not out.parent.is_dir():
             raise ConfigError(f"--save-prompt-cache {str(out)!r}: folder {str(out.parent)!r} does not exist")
         if out.suffix != ".safetensors":  # mlx adds it anyway; report the real name
-            args.save_prompt_cache = str(out) + ".safetensors"
+            out = Path(str(out) + ".safetensors")
+            args.save_prompt_cache = str(out)
+        if out.is_dir():
+            raise ConfigError(f"--save-prompt-cache: the file it writes, {str(out)!r}, is a folder; "
+                              "name another file")
+    if args.prompt != "-":
+        prompt_text(args.prompt, "--prompt")  # not UTF-8: refused before the model loads
     if args.prompt_cache_file is not None:
         return None
     return method_from_args(args)
+
+
+def prompt_text(text, where: str) -> str:
+    """``text`` (a str, possibly with the surrogate escapes of undecodable arguments, or bytes)
+    as UTF-8 text; a ConfigError naming ``where`` if it is not UTF-8."""
+    from .errors import ConfigError
+
+    try:
+        if isinstance(text, bytes):
+            return text.decode("utf-8")
+        text.encode("utf-8")
+        return text
+    except UnicodeError as exc:
+        bad = exc.object[exc.start:exc.end]
+        shown = bad.hex() if isinstance(bad, bytes) else bad.encode("utf-8", "surrogateescape").hex()
+        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{shown[:2]} at position {exc.start}); "
+                          "give the prompt as UTF-8") from None
+
+
+def read_prompt(args) -> str:
+    """The prompt: ``--prompt`` itself, or stdin for ``--prompt -``, as UTF-8 text."""
+    if args.prompt == "-":
+        return prompt_text(sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read(),
+                           "the prompt read from stdin (--prompt -)")
+    return prompt_text(args.prompt, "--prompt")
 
 
 def load_model(name: str, pipeline: bool = False):
@@ -153,12 +201,18 @@ def load_model(name: str, pipeline: bool = False):
                                 tensor_group=None if pipeline else group)
         return mlx_lm.load(name)
     except Exception as exc:  # mlx-lm and huggingface_hub raise many types for a bad name
-        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        if Path(name).is_dir():
-            raise ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})") from exc
-        raise ConfigError(
-            f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})"
-        ) from exc
+        raise model_error(name, exc) from exc
+
+
+def model_error(name: str, exc: BaseException):
+    """The ConfigError for a model mlx-lm could not load: a folder it cannot read, or a name that
+    is neither a local folder nor a reachable Hugging Face id (``generate``, ``chat``)."""
+    from .errors import ConfigError
+
+    why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    if Path(name).is_dir():
+        return ConfigError(f"model folder {name!r} could not be loaded by mlx-lm ({why})")
+    return ConfigError(f"model {name!r} is neither a local mlx-lm folder nor a reachable Hugging Face id ({why})")
 
 
 def _read_saved_cache(path: str) -> list:
@@ -231,6 +285,14 @@ def cache_report(cache: list) -> dict[str, int]:
     return {"held_bytes": int(held), "full_bytes": int(full)}
 
 
+def _ratio_words(report: dict) -> str:
+    """``"4.00x smaller"``, ``"about the same size"`` or ``"1.25x larger"`` (held vs full bytes)."""
+    held, full = report["held_bytes"], report["full_bytes"]
+    if not held or not full or abs(full / held - 1) < 0.005:
+        return "about the same size"
+    return f"{full / held:.2f}x smaller" if held < full else f"{held / full:.2f}x larger"
+
+
 def run(args) -> dict:
     import mlx.core as mx
     import mlx_lm
@@ -241,7 +303,7 @@ def run(args) -> dict:
     from .persistence import save_prompt_cache
 
     method = check_args(args)
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = read_prompt(args)
     continuing = args.prompt_cache_file is not None
     saved = _read_saved_cache(args.prompt_cache_file) if continuing else None
     model, tokenizer = load_model(args.model, pipeline=args.pipeline)
@@ -278,9 +340,8 @@ def run(args) -> dict:
         say(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
         say(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
         say(f"Peak memory: {last.peak_memory:.3f} GB")
-    ratio = report["full_bytes"] / report["held_bytes"] if report["held_bytes"] else 1.0
     say(f"KV cache: {report['held_bytes'] / 1e6:.3f} MB held vs {report['full_bytes'] / 1e6:.3f} MB "
-          f"for a full cache ({ratio:.2f}x smaller)")
+          f"for a full cache ({_ratio_words(report)})")
     if args.verbose:
         for c in cache:
             if hasattr(c, "diagnostics"):

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import attrs
 
 from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, Scorer, Selector, component_hooks
-from .config import ComponentConfig, MethodConfig, structure_component
+from .config import ComponentConfig, MethodConfig, did_you_mean, structure_component
 from .errors import CompositionError, ConfigError
 from .registry import Registry, get_registry
 
@@ -61,6 +61,12 @@ def build_method(
     component has is an error listing the valid ones.
     """
     reg = registry or get_registry()
+    size = params.get("budget")
+    if isinstance(size, str) and size.strip().lstrip("+-").isdigit() and size not in reg.components["budget"]:
+        raise ConfigError(
+            f"budget {size!r} is a string; the budget size must be an int (budget={size.strip()}); a string "
+            f"names a budget component ({', '.join(sorted(reg.components['budget']))})"
+        )
     kinds_given = {k: params.pop(k) for k in KINDS if k in params and not _is_budget_number(k, params[k])}
     if isinstance(config, str) or config is None:
         config = MethodConfig(method=config, **kinds_given)
@@ -80,9 +86,15 @@ def build_method(
         flat.update(spec.params)
     for kind in KINDS:
         c = config.component(kind)
-        if c is not None:
+        if c is not None and c.name:  # a table without a name keeps the method's component
             names[kind] = c.name
     missing = [k for k in KINDS if k not in names]
+    if missing == ["budget"] and _is_budget_number("budget", params.get("budget", "")):
+        raise ConfigError(
+            f"a composed method names its budget component too: budget={params['budget']!r} is only a size. "
+            f"Name the component and give the size with it, e.g. budget={{'name': 'uniform', 'budget': "
+            f"{params['budget']!r}}} (budgets: {', '.join(sorted(reg.components['budget']))})"
+        )
     if missing:
         choices = "; ".join(
             f"{k}s: {', '.join(sorted(reg.components[k])) or '(none)'}" for k in missing
@@ -103,7 +115,8 @@ def build_method(
         if not owners:
             valid = sorted({p for k in KINDS for p in specs[k].params()})
             raise ConfigError(
-                f"unknown parameter {key!r} for method {label!r}; valid parameters: {valid}"
+                f"unknown parameter {key!r} for method {label!r}{did_you_mean(key, valid) or ';'} "
+                f"valid parameters: {valid}"
             )
         for k in owners:
             per_kind[k][key] = value

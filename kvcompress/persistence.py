@@ -49,12 +49,58 @@ def save_prompt_cache(file_name: str, cache: list, metadata: Optional[dict] = No
     _mlx_cache.save_prompt_cache(file_name, cache, meta)
 
 
+def _header(file_name: str) -> Optional[dict]:
+    """The JSON header of a ``.safetensors`` file (tensor names -> entries, ``__metadata__``), or
+    None when it cannot be read (mlx's loader then says why)."""
+    import json
+    import struct
+
+    try:
+        with open(file_name, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+        return header if isinstance(header, dict) else None
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _check_complete(file_name: str) -> None:
+    """Raise :class:`CorruptCacheFile` naming the first missing tensor when the file lacks one
+    that its layers' structure implies (a layer, or an entry of a layer's state list): mlx-lm's
+    loader would put an empty dict there and the cache would fail only when used."""
+    header = _header(file_name)
+    if header is None:
+        return
+    meta = header.pop("__metadata__", None) or {}
+    n_layers = sum(1 for k in meta if k.startswith("1.") and k[2:].isdigit())  # the cache classes
+    children: dict = {}
+    for name in header:
+        parts = name.split(".")
+        for depth in range(len(parts)):
+            children.setdefault(".".join(parts[:depth]), set()).add(parts[depth])
+    if n_layers:
+        children.setdefault("", set())
+    for parent, names in sorted(children.items()):
+        if not all(x.isdigit() for x in names):
+            continue
+        want = n_layers if parent == "" and n_layers else max(map(int, names)) + 1
+        missing = [i for i in range(want) if str(i) not in names]
+        if missing:
+            key = f"{parent}.{missing[0]}" if parent else str(missing[0])
+            layer = key.split(".")[0]
+            what = f"layer {layer} (all its tensors)" if not parent else f"tensor {key!r} of layer {layer}"
+            raise CorruptCacheFile(f"{file_name}: the file is damaged or incomplete: missing {what}")
+
+
 def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=None) -> Any:
     """Read a cache written by :func:`save_prompt_cache` (or mlx-lm's), checking its digest.
 
     Compressed layers rebuild their method from ``registry`` (default: the process-wide one).
     Raises :class:`CorruptCacheFile` naming the file if it cannot be read back exactly.
     """
+    _check_complete(str(file_name))
     token = LOAD_REGISTRY.set(registry)
     try:
         cache, meta = _mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)

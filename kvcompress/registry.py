@@ -5,7 +5,8 @@ Plugins, built-in and third-party alike, are found through the entry-point group
 (``KVCOMPRESS_STRICT_PLUGINS=1`` makes that fatal); ``KVCOMPRESS_DISABLE_PLUGINS=a,b`` blocks
 plugins by entry-point name (a name no entry point has is warned about); a method that needs a
 disabled plugin's component is listed as unavailable, with why. A component or method name
-claimed by two plugins is an error that names both providers.
+claimed by two plugins is an error that names both providers (``kvcompress plugins`` and
+``doctor`` list the second claimant as failed, with that reason, instead).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class Registry:
         disabled: entry-point names to block; defaults to ``$KVCOMPRESS_DISABLE_PLUGINS``.
         strict: raise on a broken plugin instead of warning; defaults to
             ``$KVCOMPRESS_STRICT_PLUGINS``.
+        tolerate_collisions: list a plugin whose name, or a component or method name it
+            claims, is already taken as failed (with the reason) instead of raising; what the
+            listing and diagnostic commands (``kvcompress plugins``, ``doctor``) use.
     """
 
     def __init__(
@@ -82,8 +86,10 @@ class Registry:
         plugins: Iterable[tuple[str, Any]] = (),
         disabled: Optional[Iterable[str]] = None,
         strict: Optional[bool] = None,
+        tolerate_collisions: bool = False,
     ):
         self.strict = _truthy(ENV_STRICT) if strict is None else bool(strict)
+        self.tolerate_collisions = bool(tolerate_collisions)
         self.disabled = set(_env_list(ENV_DISABLE) if disabled is None else disabled)
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(ComponentSpecs)
@@ -152,10 +158,12 @@ class Registry:
     def _register(self, name: str, obj: Any, dist: tuple[str, str]):
         if self.pm.has_plugin(name):
             other = self._dists.get(name, ("?", ""))
-            raise PluginError(
-                f"two plugins are named {name!r}: one from {other[0]} {other[1]}, "
-                f"one from {dist[0]} {dist[1]}; uninstall one or disable it with {ENV_DISABLE}"
-            )
+            msg = (f"two plugins are named {name!r}: one from {other[0]} {other[1]}, "
+                   f"one from {dist[0]} {dist[1]}; uninstall one or disable it with {ENV_DISABLE}")
+            if not self.tolerate_collisions:
+                raise PluginError(msg)
+            self._infos.append(PluginInfo(name, dist[0], dist[1], "failed", (), msg))
+            return
         try:
             self.pm.register(obj, name=name)
             self.pm.check_pending()  # a misspelled hook name is an error, not silence
@@ -170,6 +178,7 @@ class Registry:
 
     def _collect(self):
         provided: dict[str, list[str]] = {}
+        entries: list[tuple[Optional[str], Provided]] = []
         for hook_name, kind in HOOK_KINDS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 dist, version = self._dists.get(impl.plugin_name, ("?", ""))
@@ -180,24 +189,47 @@ class Registry:
                 except Exception as exc:
                     self._fail(impl.plugin_name, (dist, version), f"returned a bad {hook_name}", exc)
                     continue
-                table = self.methods if kind is None else self.components[kind]
-                for rec in records:
-                    entry = Provided(rec, impl.plugin_name, dist, version)
-                    if rec.name in table:
-                        what = "method" if kind is None else kind
-                        raise PluginError(
-                            f"{what} name {rec.name!r} is claimed twice: by "
-                            f"{table[rec.name].provider} and by {entry.provider}; "
-                            f"disable one with {ENV_DISABLE}=<plugin>"
-                        )
-                    table[rec.name] = entry
-                    label = f"{kind or 'method'}:{rec.name}"
-                    provided.setdefault(impl.plugin_name, []).append(label)
-        known = {i.name for i in self._infos}
+                entries += [(kind, Provided(rec, impl.plugin_name, dist, version)) for rec in records]
+        excluded = self._collisions(entries)
+        for kind, entry in entries:
+            if entry.plugin in excluded:
+                continue
+            table = self.methods if kind is None else self.components[kind]
+            table[entry.spec.name] = entry
+            provided.setdefault(entry.plugin, []).append(f"{kind or 'method'}:{entry.spec.name}")
+        for pname, msg in excluded.items():
+            dist, version = self._dists[pname]
+            self._infos.append(PluginInfo(pname, dist, version, "failed", (), msg))
+        known = {(i.name, i.dist) for i in self._infos}  # a same-named failed plugin is another row
         for pname, (dist, version) in self._dists.items():
-            if pname not in known:
+            if (pname, dist) not in known:
                 comps = tuple(provided.get(pname, ()))
                 self._infos.append(PluginInfo(pname, dist, version, "active", comps))
+
+    def _collisions(self, entries) -> dict[str, str]:
+        """``{plugin: why}`` for each plugin claiming a component or method name an earlier one
+        holds (every one of its records is then left out); a PluginError naming both providers
+        unless ``tolerate_collisions``."""
+        excluded: dict[str, str] = {}
+        while True:
+            owner: dict[tuple, Provided] = {}
+            found = None
+            for kind, entry in entries:
+                if entry.plugin in excluded:
+                    continue
+                key = (kind, entry.spec.name)
+                if key in owner:
+                    what = "method" if kind is None else kind
+                    found = (entry.plugin, f"{what} name {entry.spec.name!r} is claimed twice: by "
+                                           f"{owner[key].provider} and by {entry.provider}; "
+                                           f"disable one with {ENV_DISABLE}=<plugin>")
+                    break
+                owner[key] = entry
+            if found is None:
+                return excluded
+            if not self.tolerate_collisions:
+                raise PluginError(found[1])
+            excluded[found[0]] = found[1]
 
     @staticmethod
     def _check_record(rec, kind, hook_name):

@@ -63,11 +63,45 @@ def no_model_load(monkeypatch):
         (["--method", "h2o", "--config", "x.toml"], "give either --method or --config, not both"),
         (["--prompt-cache-file", "nope.safetensors"], "--prompt-cache-file 'nope.safetensors' does not exist"),
         (["--save-prompt-cache", "no/such/dir/c.safetensors"], "folder 'no/such/dir' does not exist"),
+        (["--seed", "-1"], "argument --seed: expected an integer in [0, 2**64 - 1], got '-1'"),
+        (["--seed", str(2**64)], f"argument --seed: expected an integer in [0, 2**64 - 1], got '{2**64}'"),
+        (["--prompt", "ab\udcff"], "--prompt is not UTF-8 text (byte 0xff at position 2)"),
     ],
 )
 def test_bad_options_are_one_line_before_the_model_loads(no_model_load, capsys, extra, message):
     line = _error(capsys, ["generate", "--model", "unused", *extra])
     assert message in line, line
+
+
+def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(no_model_load, capsys, monkeypatch):
+    """Bug: ``--prompt -`` with non-UTF-8 bytes on stdin was a UnicodeDecodeError traceback."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Once \xff\xfe")))
+    line = _error(capsys, ["generate", "--model", "unused", "--prompt", "-"])
+    assert "the prompt read from stdin (--prompt -) is not UTF-8 text (byte 0xff at position 5)" in line
+
+
+def test_folders_given_as_cache_files_are_one_line(no_model_load, capsys, tmp_path):
+    """Bug: ``--save-prompt-cache DIR`` silently wrote ``DIR.safetensors`` (or, when that was a
+    folder, failed after generating with a traceback); ``--prompt-cache-file DIR`` said "does
+    not exist"."""
+    line = _error(capsys, ["generate", "--model", "unused", "--save-prompt-cache", str(tmp_path)])
+    assert f"--save-prompt-cache {str(tmp_path)!r} is a folder; name a file in it" in line
+    (tmp_path / "c.safetensors").mkdir()
+    line = _error(capsys, ["generate", "--model", "unused", "--save-prompt-cache", str(tmp_path / "c")])
+    assert f"the file it writes, {str(tmp_path / 'c.safetensors')!r}, is a folder" in line
+    line = _error(capsys, ["generate", "--model", "unused", "--prompt-cache-file", str(tmp_path)])
+    assert f"--prompt-cache-file {str(tmp_path)!r} is a folder" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+@pytest.mark.parametrize("held, full, says", [(100, 356, "3.56x smaller"), (356, 100, "3.56x larger"),
+                                              (1000, 1001, "about the same size"), (0, 0, "about the same size")])
+def test_the_cache_line_says_larger_when_the_compressed_cache_is_bigger(held, full, says):
+    """Bug: a compressed cache bigger than the full one was reported as "0.99x smaller"."""
+    assert generate._ratio_words({"held_bytes": held, "full_bytes": full}) == says
 
 
 @pytest.mark.parametrize(

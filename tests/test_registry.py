@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import importlib.metadata as md
 import re
 import tomllib
@@ -244,6 +246,34 @@ def test_method_claimed_twice_names_both_providers():
     )
     with pytest.raises(PluginError, match=r"method name 'cam' is claimed twice: by plugin 'cam'.*plugin 'impostor'"):
         Registry(plugins=[("impostor", mod)])
+
+
+@pytest.mark.parametrize("fake, why", [
+    (FakeEntryPoint("evil", "evil_mod", _scorer_plugin("h2o")), "scorer name 'h2o' is claimed twice"),
+    (FakeEntryPoint("h2o", "other_h2o", _scorer_plugin()), "two plugins are named 'h2o'"),
+])
+def test_plugins_and_doctor_still_run_and_list_a_collision_as_failed(monkeypatch, capsys, fake, why):
+    """Bug: two plugins claiming one name broke every command, ``kvcompress plugins`` and
+    ``doctor`` included; they list the later claimant as failed with the reason now, while the
+    other commands still refuse (one line)."""
+    from kvcompress.cli import main
+    from kvcompress.registry import reset_registry
+
+    _with_entry_points(monkeypatch, fake)
+    reset_registry()
+    try:
+        assert main(["plugins", "--json"]) == 0
+        rows = {(p["name"], p["package"]): p for p in json.loads(capsys.readouterr().out)}
+        row = rows[(fake.name, "thirdparty-dist")]
+        assert row["status"] == "failed" and why in row["error"] and row["components"] == []
+        assert rows[("h2o", "kvcompress")]["status"] == "active"
+        assert main(["doctor"]) == 0
+        out = capsys.readouterr().out
+        assert f"[failed] {why}" in out and "1 plugin(s) failed to load" in out
+        assert main(["methods"]) == 2
+        assert why in capsys.readouterr().err
+    finally:
+        reset_registry()
 
 
 def test_two_plugins_with_one_name(monkeypatch):

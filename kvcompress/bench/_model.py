@@ -32,7 +32,7 @@ class ModelShape:
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     n_layers: int = attrs.field(default=8, validator=at_least(1))
     hidden: int = attrs.field(default=1024, validator=at_least(1))
-    n_heads: int = attrs.field(default=16, validator=at_least(1))
+    n_heads: int = attrs.field(default=16, validator=[at_least(1), lambda inst, a, v: _hidden_splits(inst.hidden, v)])
     n_kv_heads: int = attrs.field(default=4, validator=[at_least(1), lambda inst, a, v: _divides(inst.n_heads, v)])
     head_dim: int = attrs.field(default=64, validator=at_least(1))
     intermediate: int = attrs.field(default=2816, validator=at_least(1))
@@ -43,6 +43,11 @@ class ModelShape:
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
+
+
+def _hidden_splits(hidden: int, n_heads: int) -> None:
+    if isinstance(hidden, int) and hidden % n_heads:  # mlx-lm's Llama checks it when it builds
+        raise ValueError(f"hidden must be a multiple of n_heads ({n_heads}), got {hidden}")
 
 
 def _divides(n_heads: int, n_kv_heads: int) -> None:

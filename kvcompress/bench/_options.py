@@ -9,6 +9,7 @@ Results go to ``kvcompress-results/`` under the current folder unless ``--out`` 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +17,7 @@ __all__ = [
     "DEFAULT_OUT",
     "int_list",
     "name_list",
+    "NameList",
     "check_at_least",
     "check_minimums",
     "at_least",
@@ -24,6 +26,8 @@ __all__ = [
     "settings_from_args",
     "add_output_arguments",
     "out_dir",
+    "check_out_dir",
+    "check_file_stem",
 ]
 
 #: The default output folder, relative to the current working directory: the user's own folder,
@@ -41,6 +45,19 @@ def int_list(v: Any) -> tuple:
 def name_list(text: str) -> tuple:
     """``"a, b,"`` -> ``("a", "b")`` (a command-line option type)."""
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+class NameList(argparse.Action):
+    """``--methods a,b c``: names separated by commas and/or spaces, in one argument or several
+    (use with ``nargs="+"``); stored as a tuple. Naming nothing (``--methods ""``) is an error,
+    not "every method"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = [values] if isinstance(values, str) else values
+        names = tuple(x for v in values for x in v.replace(",", " ").split())
+        if not names:
+            raise argparse.ArgumentError(self, "no method named; give names separated by commas or spaces")
+        setattr(namespace, self.dest, names)
 
 
 def check_at_least(name: str, value: Any, low: int, hint: str = "") -> None:
@@ -108,3 +125,29 @@ def add_output_arguments(parser, what: str) -> None:
 def out_dir(args) -> Path:
     """The output folder ``--out`` names (relative paths: under the current folder)."""
     return Path(getattr(args, "out", None) or DEFAULT_OUT)
+
+
+def check_out_dir(path, option: str = "--out") -> None:
+    """Raise ``ValueError`` (one line) unless ``path`` is a folder results can be written to, or
+    one that can be created: called before a run, so a long run never fails at its last step."""
+    import os
+
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: not a folder (a file is there); name a folder for the results")
+    probe = path
+    while not probe.exists():  # the nearest existing folder is where it will be created
+        if probe.is_symlink():
+            raise ValueError(f"{option} {path}: {probe} is a broken link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{option} {path}: {probe} is a file, not a folder; name a folder for the results")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {probe} is not writable; name a folder you can write to")
+
+
+def check_file_stem(stem: str, option: str = "--out-name") -> None:
+    """Raise ``ValueError`` unless ``stem`` is a plain file name stem (no folder, not empty)."""
+    if not stem or stem in (".", "..") or "/" in stem or "\\" in stem or "\0" in stem or stem.strip() != stem:
+        raise ValueError(f"{option} must be a plain file name stem (no folders, not empty), got {stem!r}; "
+                         "use --out to choose the folder")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._options import add_output_arguments, check_minimums, name_list, out_dir, settings_from_args
+from ._options import NameList, add_output_arguments, check_minimums, out_dir, settings_from_args
 from ._report import caption, finish, machine_info, print_table, pyplot, save_plot, write_json
 
 __all__ = ["add_arguments", "run", "run_distributed", "write_model", "projections", "DEFAULTS", "QUICK"]
@@ -109,6 +109,9 @@ def run_distributed(settings: dict, progress=print) -> dict:
     s = {**DEFAULTS, **settings}
     check_minimums(s, {k: 1 for k in ("context", "budget", "blocks", "block_tokens", "prefill_step_size",
                                       "hidden", "n_layers")})
+    if s["hidden"] % 16:  # write_model's Llama/Qwen2: 8 attention heads of an even size (RoPE)
+        raise ValueError(f"hidden must be a multiple of 16 (the random models: 8 attention heads of an even "
+                         f"size), got {s['hidden']}")
     from kvcompress import build_method
 
     for m in s["methods"]:
@@ -184,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--context", type=int, help="prompt tokens (default 1024)")
     parser.add_argument("--budget", type=int, help="tokens kept per layer (default 128)")
-    parser.add_argument("--methods", type=name_list, help="comma list (default h2o,snapkv,tova)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default h2o,snapkv,tova)")
     parser.add_argument("--blocks", type=int, help="interleaved decode blocks (default 3)")
     parser.add_argument("--block-tokens", type=int, help="decode tokens per block (default 16)")
     parser.add_argument("--hidden", type=int, help="hidden size of the random models (default 256)")

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import QUANTIZED, entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import DEFAULT_OUT, add_output_arguments, check_minimums, int_list, name_list
+from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_minimums, int_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
@@ -112,6 +112,27 @@ def _resolve_text(text: Optional[str]) -> Path:
     return p
 
 
+def check_paths(s: dict) -> None:
+    """Raise ``ValueError`` naming ``--model`` or ``--text`` when it cannot be what it names: a
+    local path without an mlx-lm model, a text file that is absent or a folder (before loading)."""
+    model, text = s.get("model"), s.get("text")
+    if model:
+        local = Path(model).expanduser()
+        if (local.exists() or str(model).startswith((".", "/", "~"))) and not (local / "config.json").is_file():
+            raise ValueError(f"--model {model}: no mlx-lm model folder there (config.json missing)")
+    if text:
+        p = Path(text).expanduser()
+        if p.is_dir():
+            raise ValueError(f"--text {text}: a folder; name a UTF-8 text file")
+        if not p.is_file():
+            raise ValueError(f"--text {text}: no file there")
+    try:
+        _resolve_model(model)
+        _resolve_text(text)
+    except FileNotFoundError as exc:  # the defaults are absent
+        raise ValueError(str(exc)) from None
+
+
 def check_settings(s: dict) -> None:
     """Raise ``ValueError`` for impossible settings (before anything is loaded or run)."""
     check_minimums(s, {"windows": 1, "window": 3, "prefill": 1, "budgets": 1, "batch": 1, "n_sink": 0,
@@ -182,7 +203,11 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
         import mlx_lm
 
         model_path = _resolve_model(s["model"])
-        model, tokenizer = mlx_lm.load(model_path)
+        try:
+            model, tokenizer = mlx_lm.load(model_path)
+        except Exception as exc:  # a missing folder, an unknown id, no network
+            raise ValueError(f"--model {model_path}: cannot load it ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]})") from None
         s["model"] = model_path
     text_path = _resolve_text(s["text"])
     s["text"] = str(text_path)
@@ -345,8 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int_list, help="comma list of budgets (default 64,256)")
     parser.add_argument("--batch", type=int, help="windows decoded together (default 32)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered "
-                        "method); quantized2, quantized4, quantized8 add mlx-lm's QuantizedKVCache")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: every registered method); quantized2, "
+                             "quantized4, quantized8 add mlx-lm's QuantizedKVCache")
     parser.add_argument("--seed", type=int, help="seed of seeded methods (default 0)")
     parser.add_argument("--step-tokens", type=int,
                         help="decode tokens per forward, as speculative decoding verifies drafts (default 1)")
@@ -363,10 +389,9 @@ def settings_from_args(args) -> dict:
 def run(args) -> dict:
     """``kvcompress bench perplexity``: run, write ``<out>/perplexity.json`` (+ .png), print a table."""
     warn_openblas()
-    try:
-        payload = run_perplexity(settings_from_args(args), progress=True)
-    except FileNotFoundError as exc:
-        raise SystemExit(f"kvcompress bench perplexity: {exc}") from None
+    settings = settings_from_args(args)
+    check_paths(settings)
+    payload = run_perplexity(settings, progress=True)
     st = payload["settings"]
     title = f"Streaming perplexity ({Path(st['model']).name}, {st['scored_tokens']} scored tokens, lower is better)"
     return report_sweep(payload, args, "perplexity", title, results_table, plot_perplexity,

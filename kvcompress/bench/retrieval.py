@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
-from ._options import DEFAULT_OUT, add_output_arguments, check_at_least, check_minimums, int_list, name_list
+from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_at_least, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
@@ -102,6 +102,10 @@ def check_settings(s: dict) -> None:
     """Raise ``ValueError`` for impossible settings (before anything runs)."""
     from .retrieval_data import TASKS
 
+    if s.get("model") is not None and not (Path(s["model"]).expanduser() / "config.json").is_file():
+        raise ValueError(f"--model {s['model']}: no retrieval model folder there (config.json missing); leave "
+                         f"--model out for the one shipped in {ASSET_DIR}, or train one with "
+                         "scripts/train_retrieval_model.py")
     check_at_least("ratios", s["ratios"], 1, " (budget = context // ratio)")
     check_minimums(s, {"context": 1, "samples": 1, "n_pairs": 1, "n_queries": 1, "prefill_chunks": 0,
                                 "n_sink": 0, "seed": 0})
@@ -344,7 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunks", type=int_list,
                         help="prefill chunk sizes to compare; 0 = whole prompt in one step (default 64)")
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
-    parser.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: every registered method)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
     add_output_arguments(parser, "retrieval.json/.png")
 

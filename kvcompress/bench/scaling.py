@@ -47,7 +47,7 @@ import attrs
 from ._caches import QUANTIZED, cache_bytes, live_kv_bytes, make_cache, method_names, stored_tokens
 from ._harness import Runner, median, paired, release, rotate, round_robin
 from ._model import DTYPES, ModelShape, build_model, random_tokens
-from ._options import add_output_arguments, check_minimums, int_list, name_list, options_given, out_dir
+from ._options import NameList, add_output_arguments, check_minimums, int_list, options_given, out_dir
 from ._report import caption as _caption
 from ._report import (finish, machine_info, markdown_table, print_table, progress_bar, pyplot, save_plot,
                       warn_openblas, write_json)
@@ -332,8 +332,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model and contexts (seconds)")
     parser.add_argument("--contexts", type=int_list, help="context checkpoints (default 1024,2048,4096,8192)")
     parser.add_argument("--budgets", type=int_list, help="tokens per layer (default 256,512,1024)")
-    parser.add_argument("--methods", type=name_list,
-                        help="comma list of methods (default: every registered method); quantized2, "
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: every registered method); quantized2, "
                              "quantized4, quantized8 add mlx-lm's QuantizedKVCache to the full pass")
     parser.add_argument("--full-budget", type=int, help="the budget pass that also runs the full KVCache "
                         "(default: the middle budget; 0: none)")

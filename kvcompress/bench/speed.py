@@ -56,7 +56,7 @@ from ._harness import (
     time_generation,
 )
 from ._model import DTYPES, ModelShape, build_model, random_tokens
-from ._options import add_output_arguments, check_minimums, options_given, out_dir
+from ._options import NameList, add_output_arguments, check_minimums, options_given, out_dir
 from ._profile import profile_decode
 from ._profile_report import profile_markdown, profile_table
 from ._report import caption as _caption
@@ -361,7 +361,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, help="rounds (default 3)")
     parser.add_argument("--prefill-step-size", type=int, help="generate_step prefill chunk (default 512)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights (default float32)")
-    parser.add_argument("--methods", nargs="+", help="registered method names (default: h2o cam)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: h2o cam)")
     parser.add_argument("--no-full", action="store_true", help="skip the full KVCache reference")
     parser.add_argument("--no-profile", action="store_true", help="skip the decode/prefill profile")
     parser.add_argument("--no-dtype-probe", action="store_true", help="skip the weight dtype probe")

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from ._caches import method_names
-from ._options import add_output_arguments, check_minimums, one_of, options_given, out_dir
+from ._options import NameList, add_output_arguments, check_minimums, one_of, options_given, out_dir
 from ._report import finish, machine_info, print_table, warn_openblas, write_json
 from ._synthetic_report import caption, markdown_tables, plot_synthetic, results_table
 from .synthetic_data import SyntheticData, feed, make_data, perturbation, probe_stats
@@ -265,7 +265,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths T")
     parser.add_argument("--budgets", type=int, nargs="+", help="budgets C")
-    parser.add_argument("--methods", nargs="+", help="registered method names (default: all)")
+    parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                        help="methods, by commas or spaces (default: all)")
     parser.add_argument("--scenarios", nargs="+", choices=("structured", "iid"))
     parser.add_argument("--n-decode", type=int, help="decode steps after the prefill")
     parser.add_argument("--prefill-step", type=int, help="prefill chunk size (default 512)")

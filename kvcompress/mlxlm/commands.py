@@ -93,7 +93,15 @@ def _run_chat(method, argv: Sequence[str]) -> int:
 
     def attached(loader):
         def load(*args, **kwargs):
-            model, tokenizer = loader(*args, **kwargs)[:2]
+            from ..generate import model_error
+
+            name = str(args[0] if args else kwargs.get("path_or_hf_repo", kwargs.get("repo", "?")))
+            try:
+                model, tokenizer = loader(*args, **kwargs)[:2]
+            except KVCompressError:
+                raise
+            except Exception as exc:  # as generate and serve: one line naming the model
+                raise model_error(name, exc) from None
             if getattr(tokenizer, "chat_template", None) is None:
                 raise KVCompressError(
                     "the model's tokenizer has no chat template, which chat needs (as mlx_lm.chat "

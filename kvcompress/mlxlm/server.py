@@ -23,7 +23,7 @@ from typing import Sequence
 
 from ..errors import KVCompressError
 
-__all__ = ["SUPPORTED_MLX_LM", "check_mlx_lm", "run_server", "patch_server"]
+__all__ = ["SUPPORTED_MLX_LM", "check_mlx_lm", "check_server_args", "run_server", "patch_server"]
 
 #: mlx-lm minor versions whose server/chat internals kvcompress serve and chat were tested with
 SUPPORTED_MLX_LM = ("0.32",)
@@ -51,6 +51,49 @@ def check_mlx_lm(module: str = "mlx_lm.server", names: Sequence[str] = ("ModelPr
     return version
 
 
+#: mlx-lm server options checked at start-up: name -> (low, high, low excluded), as generate checks its own
+_RANGES = {"temp": (0.0, float("inf"), False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+           "top_k": (0, float("inf"), False), "max_tokens": (1, float("inf"), False),
+           "decode_concurrency": (1, float("inf"), False), "prompt_concurrency": (1, float("inf"), False),
+           "prefill_step_size": (1, float("inf"), False), "prompt_cache_size": (0, float("inf"), False)}
+
+
+def check_server_args(cli_args) -> None:
+    """Raise KVCompressError (one line) unless mlx-lm's server options are usable: sampling and
+    size options in range, ``--port`` in 1..65535 and ``--host:--port`` free to listen on. Runs
+    before the model loads and before mlx-lm starts its threads (a failure there hangs the process)."""
+    import math
+    import socket
+
+    for name, (lo, hi, lo_open) in _RANGES.items():
+        v = getattr(cli_args, name, None)
+        if v is None:
+            continue
+        if not ((lo < v if lo_open else lo <= v) and v <= hi) or (isinstance(v, float) and math.isnan(v)):
+            want = f">= {lo:g}" if hi == float("inf") else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise KVCompressError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
+    host, port = getattr(cli_args, "host", "127.0.0.1"), getattr(cli_args, "port", 8080)
+    if not 1 <= port <= 65535:
+        raise KVCompressError(f"--port must be in [1, 65535], got {port}")
+    try:  # what mlx_lm.server's _run_http_server binds, tried and released
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+            sock.bind(address)
+    except socket.gaierror as exc:
+        raise KVCompressError(f"--host {host!r}: not an address of this machine ({exc.strerror}); "
+                              "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    except OSError as exc:
+        import errno
+
+        why = {errno.EADDRINUSE: "the port is in use (another server?); choose a free --port",
+               errno.EACCES: "permission denied (ports below 1024 need privileges); choose another --port",
+               errno.EADDRNOTAVAIL: "the address is not one of this machine's; check --host"}.get(
+                   exc.errno, f"{exc.strerror or exc}; check --host and --port")
+        raise KVCompressError(f"cannot listen on {host} port {port}: {why}") from None
+
+
 def _next(minor: str) -> str:
     major, m = minor.split(".")
     return f"{major}.{int(m) + 1}"
@@ -69,6 +112,7 @@ def patch_server(method) -> None:
         _kvcompress_base = base
 
         def __init__(self, cli_args):
+            check_server_args(cli_args)  # before the model loads and mlx-lm starts any thread
             super().__init__(cli_args)
             if getattr(cli_args, "model", None) is not None:  # refuse a bad model at start-up
                 try:

@@ -14,7 +14,7 @@ DEFAULTS = {"candidates": 100, "max_minutes": 10.0, "finalists": 4, "windows": 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvcompress.bench._options import DEFAULT_OUT, name_list
+    from kvcompress.bench._options import DEFAULT_OUT, NameList
 
     d = DEFAULTS
     p.add_argument("--model", help="mlx-lm model folder or Hugging Face id (default: the embedded retrieval "
@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "per-layer budgets)")
     p.add_argument("--data", help="UTF-8 text to score perplexity on, with --model (default: the TinyStories "
                                   "validation text the perplexity benchmark uses)")
-    p.add_argument("--methods", type=name_list, help="comma list of methods (default: every registered method)")
+    p.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
+                   help="methods, separated by commas or spaces (default: every registered method)")
     p.add_argument("--candidates", type=int, default=d["candidates"],
                    help=f"at most this many candidates measured (default {d['candidates']})")
     p.add_argument("--max-minutes", type=float, default=d["max_minutes"],
@@ -81,9 +82,15 @@ def check_args(args) -> None:
 
         reg = get_registry()
         unknown = [m for m in args.methods if m not in reg.methods]
-        if unknown or not args.methods:
-            raise ValueError(f"--methods: unknown {unknown or 'nothing given'}; registered: "
+        if not args.methods:
+            raise ValueError(f"--methods: no method named; give a comma list of registered methods: "
                              f"{', '.join(sorted(reg.methods))}")
+        if unknown:
+            raise ValueError(f"--methods: unknown {unknown}; registered: "
+                             f"{', '.join(sorted(reg.methods))}")
+    from kvcompress.bench._options import check_out_dir
+
+    check_out_dir(args.out)
 
 
 def _workload(args):
