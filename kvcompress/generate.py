@@ -189,7 +189,6 @@ def load_model(name: str, pipeline: bool = False):
     naming the model."""
     import mlx_lm
 
-    from .errors import ConfigError
     from .mlxlm.distributed import world
 
     try:
