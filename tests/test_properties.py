@@ -109,6 +109,8 @@ def drive(scn: dict, check: bool = True):
             pos_before = np.array(c._pos)
         assert c.make_mask(S) == (None if S == 1 else "causal")
         arr = c.make_mask(S, return_array=True) if S > 1 else None
+        if c._wants_tokens:  # what the model hook hands a token-scoring cache (kvzip) before a step
+            c._tokens = mx.broadcast_to((mx.arange(off, off + S, dtype=mx.int32) % 97)[None], (scn["batch"], S))
         k_out, v_out = c.update_and_fetch(mx.array(keys[:, :, off : off + S]), mx.array(values[:, :, off : off + S]))
         c.observe(mx.array(queries[:, :, off : off + S]), D**-0.5)
         off += S

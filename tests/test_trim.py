@@ -85,6 +85,8 @@ def _drive_direct(c, rng, steps):
         k = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
         v = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
         q = mx.array(rng.standard_normal((1, 4, s, 16)).astype(np.float32) * 3)
+        if c._wants_tokens:  # what the model hook hands a token-scoring cache (kvzip) before a step
+            c._tokens = mx.array(rng.integers(0, 97, (1, s)), dtype=mx.int32)
         c.update_and_fetch(k, v)
         c.observe(q, 0.25)
 
@@ -159,6 +161,8 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
         ka = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
         va = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
         qa = mx.array(rng_b.standard_normal((1, 4, S, 16)).astype(np.float32) * 3)
+        if b._wants_tokens:  # the first S - k of the ids a was handed
+            b._tokens = mx.array(rng_b.integers(0, 97, (1, S))[:, : S - k], dtype=mx.int32)
         b.update_and_fetch(ka[:, :, : S - k], va[:, :, : S - k])
         b.observe(qa[:, :, : S - k], 0.25)
         assert a.offset == b.offset and a.tokens_kept == b.tokens_kept and a.evictions == b.evictions
