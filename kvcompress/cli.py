@@ -239,8 +239,9 @@ def cmd_doctor(args) -> int:
     from . import _lowbit
 
     lowbit = _lowbit.status()
-    print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"]
-                           else f"MLX's quantized_matmul: {lowbit['reason']}"))
+    why = lowbit["reason"] or ""
+    print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"] else (
+        "low-bit CPU kernel " if why.startswith("not built yet") else "MLX's quantized_matmul: ") + why))
     reg = _registry(listing=True)
     width = _width((p.name for p in reg.plugins()), 14)
     for p in reg.plugins():
