@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
-from kvcompress import _lowbit
+from kvcompress._lowbit import quantized_matmul  # re-exported: the few-row low-bit product
 
 __all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "FAST_SOFTMAX_MAX", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "quantized_matmul", "visibility", "lowest_k", "sortable_bits"]
 
@@ -360,11 +360,3 @@ def lowest_k(key: mx.array, positions: mx.array, k: int, ordered: bool = False,
         order = mx.argsort(mx.take_along_axis(comp, idx, axis=-1), axis=-1)
         idx = mx.take_along_axis(idx, order, axis=-1)
     return idx.astype(mx.int32)
-
-
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
-                     group_size: int, bits: int) -> mx.array:
-    """``x @ dequantize(w)``: ``mx.quantized_matmul(.., transpose=False)`` on MLX's affine
-    codes, for few rows of ``x`` (a decode step's queries); on a Linux x86-64 CPU a kernel that
-    unpacks each code once for every four rows (:mod:`kvcompress._lowbit`), else MLX's."""
-    return _lowbit.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)

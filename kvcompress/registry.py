@@ -11,7 +11,6 @@ claimed by two plugins is an error that names both providers (``kvcompress plugi
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata as md
 import os
 import threading
@@ -22,6 +21,7 @@ import attrs
 import pluggy
 
 from .components import KINDS, ComponentSpec, MethodSpec
+from .config import did_you_mean
 from .errors import PluginError
 from .hookspecs import HOOK_KINDS, PROJECT, ComponentSpecs
 
@@ -268,8 +268,7 @@ class Registry:
         plugin = self.disabled_names.get((kind, name))
         if plugin is not None:
             return f"{self._disabled_why(kind, name)}; remove {plugin!r} from {ENV_DISABLE} to re-enable it"
-        close = difflib.get_close_matches(str(name), sorted(table), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        hint = did_you_mean(name, sorted(table)) or ";"
         return f"unknown {what} {name!r}{hint} registered {what}s: {', '.join(sorted(table)) or '(none)'}"
 
     def _disabled_why(self, kind: Optional[str], name: str) -> str:
