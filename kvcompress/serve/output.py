@@ -8,6 +8,8 @@ log-probabilities, usage.
   (reasoning and tool-call markers) and ``ToolCallFormatter``, giving a :class:`Delta` per token.
 * ``*_logprobs`` write OpenAI's two log-probability formats (chat's ``content`` entries with
   ``bytes``; completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
+  A sampled token's text is the text it added to the answer (so the tokens join to the text);
+  an alternative's is the token decoded alone.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Delta:
     text: str = ""
     reasoning: str = ""
     tool_calls: list = attrs.Factory(list)
-    #: ``(token id, logprob, top tokens)`` of the token, when log-probabilities are asked for
+    #: ``(token id, logprob, top tokens, its text)`` of the token, when log-probabilities are asked for
     logprob: Optional[tuple] = None
     finish_reason: Optional[str] = None
 
@@ -86,7 +88,7 @@ class ChoiceText:
     def add(self, gen) -> Delta:
         """One generated token (mlx-lm's ``Response``); sets :attr:`finish_reason` at the end."""
         self.tokens += 1
-        delta = Delta(logprob=(gen.token, gen.logprob, gen.top_tokens) if self._logprobs else None)
+        delta = Delta(logprob=(gen.token, gen.logprob, gen.top_tokens, gen.text) if self._logprobs else None)
         safe, hit = self._stop.feed(gen.text)
         finish = "stop" if hit else gen.finish_reason
         if finish is not None and not hit:
@@ -136,13 +138,13 @@ def _token_text(tokenizer, token: int) -> str:
 def chat_logprobs(tokenizer, entries, top_n: int) -> dict:
     """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
-    def one(tok, lp):
-        text = _token_text(tokenizer, tok)
+    def one(tok, lp, text=None):
+        text = _token_text(tokenizer, tok) if text is None else text
         return {"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for tok, lp, top in entries:
-        item = one(tok, lp)
+    for tok, lp, top, text in entries:
+        item = one(tok, lp, text)
         item["top_logprobs"] = [one(t["id"], t["logprob"]) for t in (top or ())][:top_n] if top_n > 0 else []
         content.append(item)
     return {"content": content, "refusal": None}
@@ -152,8 +154,7 @@ def completion_logprobs(tokenizer, entries, top_n: int, offset: int = 0) -> dict
     """Completions' ``logprobs``: parallel ``tokens``, ``token_logprobs``, ``top_logprobs``
     (``{token text: logprob}`` per position) and ``text_offset`` (from ``offset``)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tok, lp, top in entries:
-        text = _token_text(tokenizer, tok)
+    for tok, lp, top, text in entries:
         out["tokens"].append(text)
         out["token_logprobs"].append(float(lp))
         out["top_logprobs"].append({_token_text(tokenizer, t["id"]): float(t["logprob"]) for t in (top or ())[:top_n]}

@@ -57,17 +57,21 @@ _conv.register_structure_hook(Any, lambda v, _: v)
 register_hooks(_conv)
 
 
+def _num(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _range(name: str, v, lo=None, hi=None, lo_open=False) -> None:
     if v is None:
         return
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         if hi is None:
-            want = f"{'>' if lo_open else '>='} {lo:g}"
+            want = f"{'>' if lo_open else '>='} {_num(lo)}"
         elif lo is None:
-            want = f"<= {hi:g}"
+            want = f"<= {_num(hi)}"
         else:
-            want = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise RequestError(f"{name}: must be {want}, got {v:g}", param=name)
+            want = f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
+        raise RequestError(f"{name}: must be {want}, got {_num(v)}", param=name)
 
 
 def _unsupported(name: str, why: str):
@@ -125,7 +129,7 @@ class _Common:
         _range("xtc_probability", self.xtc_probability, 0, 1)
         _range("xtc_threshold", self.xtc_threshold, 0, 0.5)
         _range("num_draft_tokens", self.num_draft_tokens, 0)
-        _range("seed", self.seed, 0, 2**63 - 1)
+        _range("seed", self.seed, 0, 2**64 - 1)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
 
