@@ -23,8 +23,9 @@ SUPPORTED_MLX_LM = ("0.32",)
 
 
 #: what kvcompress serve uses of mlx_lm.server
-SERVER_NAMES = ("ModelProvider", "ResponseGenerator", "GenerationArguments", "CompletionRequest", "ToolCallFormatter",
-                "main")
+SERVER_NAMES = ("ModelProvider", "ResponseGenerator", "GenerationContext", "GenerationArguments", "CompletionRequest",
+                "ModelDescription", "SamplingArguments", "LogitsProcessorArguments", "ToolCallFormatter", "BatchGenerator",
+                "get_system_fingerprint", "_image_parts", "_inline_image_urls", "main")
 
 
 def check_mlx_lm(module: str = "mlx_lm.server", names: Sequence[str] = SERVER_NAMES):

@@ -24,6 +24,8 @@ def _fingerprint() -> str:
 
 
 def _prompt_cache(cli):
+    """The server's prompt cache (the one place a persistent tier, e.g. a cache folder, would be
+    chosen from the options)."""
     from ..mlxlm.prompt_cache import CompressedPromptCache
 
     return CompressedPromptCache(cli.prompt_cache_size)
