@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     model = H.write_model(tmp / "model")
     p = H.start(tmp, model, "--max-concurrent-requests", str(CAPACITY), "--max-tokens", "64")
     yield p, srv.load_tokenizer(model)
-    p.stop()
+    assert p.stop() == 0  # SIGTERM is a normal shutdown
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,10 @@ def test_n_echo_and_several_prompts(client, server):
     chat = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": p1}], n=3,
                                           max_tokens=4, temperature=0, logit_bias=H.BAN)
     assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
+    seeded = [client.completions.create(model="default_model", prompt=p1, n=2, max_tokens=16, temperature=5.0,
+                                        seed=11, logit_bias=H.BAN) for _ in range(2)]
+    assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]  # reproducible
+    assert seeded[0].choices[0].text != seeded[0].choices[1].text  # and each choice its own sample
 
 
 def test_token_id_prompts(client, server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 import uuid
 from typing import Any, Optional
@@ -19,7 +20,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .errors import ModelNotFound, RequestError, ServeError
+from .errors import GenerationFailed, ModelNotFound, RequestError, ServeError
 from .output import ChoiceText, chat_logprobs, completion_logprobs, usage
 from .schema import ChatBody, CompletionBody
 
@@ -61,15 +62,21 @@ def _args(body, cli, top_n: int, max_tokens: Optional[int]) -> GenerationArgumen
     )
 
 
+def _seeded(args, index: int):
+    """Choice ``index`` of a seeded request samples with ``seed + index``: reproducible, and the
+    choices differ (as OpenAI's)."""
+    return args if args.seed is None or not index else dataclasses.replace(args, seed=(args.seed + index) % 2**64)
+
+
 def plan(body, cli) -> list[Plan]:
     """The generations a request asks for, in choice order (OpenAI's: prompt-major, then ``n``)."""
     if isinstance(body, ChatBody):
         top_n = body.top_logprobs or 0
         args = _args(body, cli, top_n if body.logprobs else -1, body.effective_max_tokens)
         return [Plan(j, 0, CompletionRequest("chat", "", copy.deepcopy(body.messages), body.template_tools,
-                                             body.role_mapping), args) for j in range(body.n)]
+                                             body.role_mapping), _seeded(args, j)) for j in range(body.n)]
     args = _args(body, cli, body.top_logprobs, body.max_tokens)
-    return [Plan(i * body.n + j, i, CompletionRequest("text", p, [], None, None), args)
+    return [Plan(i * body.n + j, i, CompletionRequest("text", p, [], None, None), _seeded(args, i * body.n + j))
             for i, p in enumerate(body.prompt) for j in range(body.n)]
 
 
@@ -200,6 +207,8 @@ async def _stream(answer: Answer, jobs, ticket):
                 await queue.put((k, ev))
         except ServeError as exc:
             await queue.put((k, exc))
+        except Exception as exc:  # what mlx-lm's loop handed back: end the stream with an error event
+            await queue.put((k, GenerationFailed(f"generation failed ({type(exc).__name__}: {exc})")))
         finally:
             await queue.put((k, None))
 

@@ -23,6 +23,33 @@ def _fingerprint() -> str:
         return "kvcompress"
 
 
+def _server_class():
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, for which SIGINT / SIGTERM is a normal shutdown: the requests in
+        flight finish (10 s at most), the generation loop stops, the exit status is 0 (uvicorn
+        would re-raise the signal and skip that)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
 def _prompt_cache(cli):
     """The server's prompt cache (the one place a persistent tier, e.g. a cache folder, would be
     chosen from the options)."""
@@ -75,7 +102,7 @@ def run_server(method, argv: Sequence[str]) -> int:
     config = uvicorn.Config(build_app(state), host=cli.host, port=cli.port, log_level=level,
                             access_log=level in ("debug", "info"), timeout_graceful_shutdown=10,
                             backlog=max(2048, 4 * cli.max_concurrent_requests))
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     server_box["server"] = server
     if generator.failed:  # failed before the server could start
         return 1
