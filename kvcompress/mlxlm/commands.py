@@ -25,7 +25,8 @@ _DESCRIPTIONS = {
 def _parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"kvcompress {command}", description=_DESCRIPTIONS[command], add_help=False,
-        epilog=f"Every other option is mlx_lm.{'server' if command == 'serve' else 'chat'}'s (listed below).",
+        epilog=("Every other option is the server's: mlx_lm.server's and kvcompress serve's (listed below)."
+                if command == "serve" else "Every other option is mlx_lm.chat's (listed below)."),
     )
     p.add_argument("-h", "--help", action="store_true", help="show this help and mlx-lm's options")
     from ..generate import add_method_arguments
