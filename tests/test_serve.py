@@ -1,6 +1,6 @@
 """``kvcompress serve`` as a user runs it: a subprocess on 127.0.0.1, talked to over HTTP.
 
-The server is mlx-lm's, with every cache compressed (h2o, budget 64, so long requests evict).
+The server generates with mlx-lm's machinery, every cache compressed (h2o, budget 64, so long requests evict).
 Requests are bounded in number and time; the server is stopped at the end of the module.
 """
 

@@ -4,8 +4,9 @@
   (and lets it apply its exact slot mask), plus the layer input/output hook some budgets need;
 * :mod:`.loader` -- registers the cache classes with ``mlx_lm.models.cache`` so mlx-lm's own
   ``load_prompt_cache`` (and its CLIs' ``--prompt-cache-file``) read kvcompress files;
-* :mod:`.prompt_cache` -- a prompt-cache LRU that trims compressed entries only when exact;
-* :mod:`.server` / :mod:`.chat` -- ``kvcompress serve`` and ``kvcompress chat`` over mlx-lm's.
+* :mod:`.prompt_cache` -- the server's prompt cache, exact for compressed entries;
+* :mod:`.server` -- what ``kvcompress serve`` (:mod:`kvcompress.serve`) takes from mlx-lm's server;
+* :mod:`.commands` -- ``kvcompress serve`` and ``kvcompress chat`` (over mlx-lm's chat).
 
 The cache engine never imports mlx-lm's server, and these modules only use the caches' public
 protocol.

@@ -17,7 +17,7 @@ from ..errors import ConfigError, KVCompressError
 __all__ = ["main"]
 
 _DESCRIPTIONS = {
-    "serve": "mlx-lm's OpenAI-compatible server (mlx_lm.server) with every KV cache compressed",
+    "serve": "an OpenAI-compatible server (mlx-lm's generation, an ASGI front) with every KV cache compressed",
     "chat": "mlx-lm's terminal chat (mlx_lm.chat) with a compressed KV cache kept across turns",
 }
 
@@ -25,7 +25,8 @@ _DESCRIPTIONS = {
 def _parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"kvcompress {command}", description=_DESCRIPTIONS[command], add_help=False,
-        epilog=f"Every other option is mlx_lm.{'server' if command == 'serve' else 'chat'}'s (listed below).",
+        epilog=("Every other option is the server's: mlx_lm.server's and kvcompress serve's (listed below)."
+                if command == "serve" else "Every other option is mlx_lm.chat's (listed below)."),
     )
     p.add_argument("-h", "--help", action="store_true", help="show this help and mlx-lm's options")
     from ..generate import add_method_arguments
@@ -48,9 +49,15 @@ def _mlx_help(module: str) -> None:
         sys.argv = old
 
 
+def _serve_help() -> None:
+    from ..serve.options import server_parser
+
+    server_parser().print_help()
+
+
 def main(command: str, argv: Sequence[str]) -> int:
     """Run ``kvcompress serve|chat`` with ``argv``; returns the exit code."""
-    from .server import check_mlx_lm
+    from .server import SERVER_NAMES, check_mlx_lm
 
     parser = _parser(command)
     try:
@@ -60,8 +67,12 @@ def main(command: str, argv: Sequence[str]) -> int:
     module = "mlx_lm.server" if command == "serve" else "mlx_lm.chat"
     if args.help:
         parser.print_help()
-        print(f"\n--- {module} options ---")
-        _mlx_help(module)
+        if command == "serve":
+            print("\n--- server options (mlx_lm.server's, then kvcompress serve's) ---")
+            _serve_help()
+        else:
+            print(f"\n--- {module} options ---")
+            _mlx_help(module)
         return 0
     prog = f"kvcompress {command}"
     try:
@@ -70,13 +81,13 @@ def main(command: str, argv: Sequence[str]) -> int:
                 "--kv-bits quantizes a full cache and cannot be combined with a kvcompress cache; "
                 "drop it, or quantize what leaves the budget with --method kivi / h2o_kivi"
             )
-        names = ("ModelProvider", "LRUPromptCache", "main") if command == "serve" else ("load", "main")
+        names = SERVER_NAMES if command == "serve" else ("load", "main")
         check_mlx_lm(module, names)
         from ..generate import method_from_args
 
         method = method_from_args(args)
         if command == "serve":
-            from .server import run_server
+            from ..serve import run_server
 
             return run_server(method, rest)
         return _run_chat(method, rest)

@@ -1,35 +1,34 @@
-"""``kvcompress serve``: mlx-lm's OpenAI-compatible server with every cache compressed.
+"""What ``kvcompress serve`` takes from mlx-lm's server (``mlx_lm.server``), checked.
 
-The server is mlx-lm's own (``mlx_lm.server``: ``/v1/chat/completions``, ``/v1/completions``,
-streaming, continuous batching, prompt-cache reuse and every one of its flags). kvcompress hooks
-into it at two documented points, both names in the ``mlx_lm.server`` module:
+* :func:`check_mlx_lm` -- the installed mlx-lm is a supported version and has the names used;
+* :func:`model_provider` -- mlx-lm's ``ModelProvider`` with :func:`kvcompress.attach` after each
+  load, so every cache the server builds (``make_prompt_cache(model)``, inside ``BatchGenerator``
+  and for single requests) is compressed; compressed caches implement ``merge``, so continuous
+  batching stays on. A draft model (speculative decoding) keeps mlx-lm's own caches.
 
-* ``ModelProvider`` -- a subclass whose ``_load`` calls mlx-lm's, then
-  :func:`kvcompress.attach` es the method to the loaded model, so every cache the server builds
-  (``make_prompt_cache(model)``, inside ``BatchGenerator`` and for single requests) is
-  compressed. Compressed caches implement ``merge``, so continuous batching stays on. A draft
-  model (speculative decoding) keeps mlx-lm's own caches.
-* ``LRUPromptCache`` -- :class:`~kvcompress.mlxlm.prompt_cache.CompressedPromptCache`, which reuses
-  exact and shorter-prefix hits as mlx-lm does, resumes a conversation that extends a cached
-  entry without re-prefilling it, and trims a cached entry only when the trim is exact.
-
-The installed mlx-lm is checked at start-up (:func:`check_mlx_lm`).
+The HTTP layer, request checks and supervision are :mod:`kvcompress.serve`'s; the prompt cache is
+:class:`~kvcompress.mlxlm.prompt_cache.CompressedPromptCache`.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 from ..errors import KVCompressError
 
-__all__ = ["SUPPORTED_MLX_LM", "check_mlx_lm", "check_server_args", "run_server", "patch_server"]
+__all__ = ["SUPPORTED_MLX_LM", "check_mlx_lm", "model_provider"]
 
 #: mlx-lm minor versions whose server/chat internals kvcompress serve and chat were tested with
 SUPPORTED_MLX_LM = ("0.32",)
 
 
-def check_mlx_lm(module: str = "mlx_lm.server", names: Sequence[str] = ("ModelProvider", "LRUPromptCache", "main")):
+#: what kvcompress serve uses of mlx_lm.server
+SERVER_NAMES = ("ModelProvider", "ResponseGenerator", "GenerationContext", "GenerationArguments", "CompletionRequest",
+                "ModelDescription", "SamplingArguments", "LogitsProcessorArguments", "ToolCallFormatter", "BatchGenerator",
+                "get_system_fingerprint", "_image_parts", "_inline_image_urls", "main")
+
+
+def check_mlx_lm(module: str = "mlx_lm.server", names: Sequence[str] = SERVER_NAMES):
     """Raise KVCompressError unless the installed mlx-lm is a supported version whose ``module``
     has the hook points ``names``."""
     import importlib
@@ -51,94 +50,62 @@ def check_mlx_lm(module: str = "mlx_lm.server", names: Sequence[str] = ("ModelPr
     return version
 
 
-#: mlx-lm server options checked at start-up: name -> (low, high, low excluded), as generate checks its own
-_RANGES = {"temp": (0.0, float("inf"), False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
-           "top_k": (0, float("inf"), False), "max_tokens": (1, float("inf"), False),
-           "decode_concurrency": (1, float("inf"), False), "prompt_concurrency": (1, float("inf"), False),
-           "prefill_step_size": (1, float("inf"), False), "prompt_cache_size": (0, float("inf"), False)}
-
-
-def check_server_args(cli_args) -> None:
-    """Raise KVCompressError (one line) unless mlx-lm's server options are usable: sampling and
-    size options in range, ``--port`` in 1..65535 and ``--host:--port`` free to listen on. Runs
-    before the model loads and before mlx-lm starts its threads (a failure there hangs the process)."""
-    import math
-    import socket
-
-    for name, (lo, hi, lo_open) in _RANGES.items():
-        v = getattr(cli_args, name, None)
-        if v is None:
-            continue
-        if not ((lo < v if lo_open else lo <= v) and v <= hi) or (isinstance(v, float) and math.isnan(v)):
-            want = f">= {lo:g}" if hi == float("inf") else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-            raise KVCompressError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
-    host, port = getattr(cli_args, "host", "127.0.0.1"), getattr(cli_args, "port", 8080)
-    if not 1 <= port <= 65535:
-        raise KVCompressError(f"--port must be in [1, 65535], got {port}")
-    try:  # what mlx_lm.server's _run_http_server binds, tried and released
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
-            sock.bind(address)
-    except socket.gaierror as exc:
-        raise KVCompressError(f"--host {host!r}: not an address of this machine ({exc.strerror}); "
-                              "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-    except OSError as exc:
-        import errno
-
-        why = {errno.EADDRINUSE: "the port is in use (another server?); choose a free --port",
-               errno.EACCES: "permission denied (ports below 1024 need privileges); choose another --port",
-               errno.EADDRNOTAVAIL: "the address is not one of this machine's; check --host"}.get(
-                   exc.errno, f"{exc.strerror or exc}; check --host and --port")
-        raise KVCompressError(f"cannot listen on {host} port {port}: {why}") from None
-
-
 def _next(minor: str) -> str:
     major, m = minor.split(".")
     return f"{major}.{int(m) + 1}"
 
 
-def patch_server(method) -> None:
-    """Install the two hooks into ``mlx_lm.server`` for ``method`` (a built Method)."""
+def model_provider(method):
+    """mlx-lm's ``ModelProvider`` whose every loaded model gets ``method`` attached (so each
+    cache the server builds is compressed), whose ``--model`` loads at construction (a bad model
+    or budget is refused before the server listens), and which knows the default model by the
+    names a client may use for it (``default_model``, ``--model`` as given, its resolved path)."""
+    from pathlib import Path
+
     import mlx_lm.server as srv
 
     from ..factory import attach
-    from .prompt_cache import CompressedPromptCache
 
-    base = getattr(srv.ModelProvider, "_kvcompress_base", srv.ModelProvider)
-
-    class ModelProvider(base):
-        _kvcompress_base = base
-
+    class ModelProvider(srv.ModelProvider):
         def __init__(self, cli_args):
-            check_server_args(cli_args)  # before the model loads and mlx-lm starts any thread
             super().__init__(cli_args)
-            if getattr(cli_args, "model", None) is not None:  # refuse a bad model at start-up
-                try:
-                    self.load_default()
-                except KVCompressError:
+            name = getattr(cli_args, "model", None)
+            if name is None:
+                return
+            aliases = {name}
+            if Path(name).exists():
+                aliases.add(str(Path(name).resolve()))
+            for alias in aliases:
+                self._model_map[alias] = name
+                self._adapter_map[alias] = cli_args.adapter_path
+            try:
+                self.load_default()
+            except KVCompressError:
+                raise
+            except Exception as exc:
+                raise KVCompressError(f"cannot load --model {name!r}: {type(exc).__name__}: {exc}") from None
+
+        def load(self, model_path, adapter_path=None, draft_model_path=None):
+            """mlx-lm's; a model a request names that cannot be loaded (or compressed) is that
+            request's error (404 / 400), not the server's."""
+            from ..serve.errors import ModelNotFound, RequestError
+
+            try:
+                return super().load(model_path, adapter_path, draft_model_path)
+            except KVCompressError as exc:
+                if model_path == "default_model":
                     raise
-                except Exception as exc:
-                    raise KVCompressError(f"cannot load --model {cli_args.model!r}: {type(exc).__name__}: {exc}") from None
+                raise RequestError(f"model {model_path!r} cannot be served with this method: {exc}",
+                                   param="model") from None
+            except Exception as exc:
+                if model_path == "default_model" and self.cli_args.model is not None:
+                    raise
+                why = " ".join(str(exc).split())[:300]
+                raise ModelNotFound(f"model {model_path!r} could not be loaded ({type(exc).__name__}: {why})",
+                                    param="model", code="model_not_found") from None
 
         def _load(self, *args, **kwargs):
             super()._load(*args, **kwargs)
             attach(self.model, method)
 
-    srv.ModelProvider = ModelProvider
-    srv.LRUPromptCache = CompressedPromptCache
-
-
-def run_server(method, argv: Sequence[str]) -> int:
-    """Run ``mlx_lm.server`` with ``argv`` (its own flags) and every cache compressed by ``method``."""
-    import mlx_lm.server as srv
-
-    patch_server(method)
-    old = sys.argv
-    sys.argv = ["kvcompress serve", *argv]
-    try:
-        srv.main()
-    finally:
-        sys.argv = old
-    return 0
+    return ModelProvider

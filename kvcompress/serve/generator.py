@@ -1,0 +1,214 @@
+"""The bridge to mlx-lm's generation machinery, supervised.
+
+:class:`SupervisedGenerator` is mlx-lm's ``ResponseGenerator`` (one thread running
+``BatchGenerator`` for continuous batching, single-sequence generation for what cannot batch,
+the prompt cache, chat templates, tool-call and reasoning parsing) with four changes:
+
+* **requests arrive as** :class:`Job` **s** -- mlx-lm's per-request queue, read from asyncio:
+  the generation thread's ``put`` hands each item to the event loop; a job knows whether its
+  client is gone (:meth:`Job.cancel`), and a cancelled job is stopped the moment its context
+  exists, or skipped before it reaches the batch.
+* **a request cannot kill the loop**: what only a request can get wrong (a prompt of no tokens,
+  token ids or ``logit_bias`` ids outside the vocabulary, a chat template that rejects the
+  messages) raises :class:`~.errors.RequestError` inside the thread, which mlx-lm hands back to
+  that request alone.
+* **supervision**: if the loop raises anyway, every request in flight fails with 500, and the loop
+  is started again with the same model and prompt cache -- at most ``max_restarts`` times within
+  ``window_s`` seconds; past that (or at once under ``mlx.distributed``, where ranks would part)
+  the server is told to exit non-zero (``on_fatal``) so that a supervisor restarts the process.
+* token-id prompts (``/v1/completions`` with a list of ints) skip the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from mlx_lm.server import GenerationContext, ResponseGenerator
+
+from .errors import GenerationFailed, RequestError, ServeError, Unavailable
+
+__all__ = ["Job", "SupervisedGenerator", "vocab_size"]
+
+log = logging.getLogger("kvcompress.serve")
+
+
+def vocab_size(model, tokenizer) -> int:
+    """Token ids the model embeds (its config's ``vocab_size``, else the tokenizer's size)."""
+    args = getattr(model, "args", None)
+    for src in (args, getattr(args, "text_config", None)):
+        n = src.get("vocab_size") if isinstance(src, dict) else getattr(src, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return len(tokenizer._tokenizer)
+
+
+class Job:
+    """One generation: what the generation thread ``put`` s (the context, prompt progress
+    ``(done, total)``, each :class:`~mlx_lm.server.Response`, then ``None`` or an exception),
+    delivered to an asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_done: Callable[["Job"], None]):
+        self._loop, self._on_done = loop, on_done
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.ctx: Optional[GenerationContext] = None
+        self.cancelled = False
+        self.done = False
+
+    # -- generation thread side --------------------------------------------------------------
+    def put(self, item: Any) -> None:
+        if self.done:
+            return
+        if isinstance(item, GenerationContext):
+            self.ctx = item
+            if self.cancelled:
+                item.stop()
+        if item is None or isinstance(item, BaseException):
+            self.done = True
+            self._on_done(self)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    # -- event loop side ---------------------------------------------------------------------
+    def cancel(self) -> None:
+        """The client is gone: stop generating for it (now, or as soon as it starts)."""
+        self.cancelled = True
+        if self.ctx is not None:
+            self.ctx.stop()
+        self._on_done(self)  # no longer in flight; a queued one is skipped, a running one removed
+
+    async def context(self) -> GenerationContext:
+        """The request's context (prompt tokens, cached count, parsers), once it is admitted to
+        generation; raises what the generation thread reported instead."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerationContext):
+                return item
+            if item is None:
+                raise GenerationFailed("the generation ended before it started")
+
+    async def events(self):
+        """Prompt progress tuples and generated Responses until the end."""
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class SupervisedGenerator(ResponseGenerator):
+    """mlx-lm's ResponseGenerator with jobs, per-request errors and a supervised loop."""
+
+    def __init__(self, model_provider, prompt_cache, *, max_restarts: int = 3, window_s: float = 60.0,
+                 on_fatal: Optional[Callable[[str], None]] = None):
+        self.max_restarts, self.window_s, self.on_fatal = max_restarts, window_s, on_fatal
+        self.restarts = 0
+        self.last_error: Optional[str] = None
+        self._crashes: collections.deque = collections.deque()
+        self._jobs: set = set()
+        self._jobs_lock = threading.Lock()
+        super().__init__(model_provider, prompt_cache)  # starts the generation thread
+
+    # -- the loop, supervised ----------------------------------------------------------------
+    def _run_generate(self):
+        while not self._stop:
+            try:
+                self._generate()
+                return
+            except BaseException as exc:  # the loop died: fail what was in it, then restart or give up
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("kvcompress serve: the generation loop failed (%s)", self.last_error)
+                self._fail_in_flight(GenerationFailed(
+                    f"generation failed ({self.last_error}); the generation loop was restarted, retry the request"))
+                now = time.monotonic()
+                self._crashes.append(now)
+                while self._crashes and now - self._crashes[0] > self.window_s:
+                    self._crashes.popleft()
+                if self._is_distributed or len(self._crashes) > self.max_restarts:
+                    self._generation_failed = True
+                    log.error("kvcompress serve: %d generation failures within %.0f s; stopping so that a "
+                              "supervisor can restart the server", len(self._crashes), self.window_s)
+                    if self.on_fatal is not None:
+                        self.on_fatal(self.last_error)
+                    return
+                self.restarts += 1
+                log.warning("kvcompress serve: generation loop restarted (%d so far)", self.restarts)
+
+    def _fail_in_flight(self, error: ServeError) -> None:
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+            job.put(error)
+
+    def _next_request(self, timeout=None):
+        while True:
+            request = super()._next_request(timeout)
+            if request is None or self._is_distributed or not isinstance(request[0], Job):
+                return request
+            if not request[0].cancelled:
+                return request
+            request[0].put(None)  # its client left while it waited: never start it
+            timeout = None
+
+    # -- requests ----------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (waiting or generating)."""
+        with self._jobs_lock:
+            return len(self._jobs)
+
+    @property
+    def failed(self) -> bool:
+        return self._generation_failed
+
+    def submit(self, request, args, loop: Optional[asyncio.AbstractEventLoop] = None) -> Job:
+        """Queue one generation (mlx-lm's CompletionRequest and GenerationArguments)."""
+        if not self.generation_available():
+            raise Unavailable("the generation loop has stopped; the server is shutting down", retry_after=5)
+        job = Job(loop or asyncio.get_running_loop(), self._forget)
+        with self._jobs_lock:
+            self._jobs.add(job)
+        self.requests.put((job, request, args))
+        return job
+
+    def _forget(self, job: Job) -> None:
+        with self._jobs_lock:
+            self._jobs.discard(job)
+
+    def _tokenize(self, tokenizer, request, args):
+        field = "messages" if request.request_type == "chat" else "prompt"
+        if request.request_type == "text" and isinstance(request.prompt, list):
+            prompt = list(request.prompt)
+            out = (prompt, [prompt], ["assistant"], "normal", None)
+        else:
+            try:
+                out = super()._tokenize(tokenizer, request, args)
+            except ServeError:
+                raise
+            except Exception as exc:  # a template or content the tokenizer refuses: this request's fault
+                why = " ".join(str(exc).split())[:300]
+                raise RequestError(f"{field}: cannot be turned into tokens ({type(exc).__name__}: {why})",
+                                   param=field) from None
+        prompt = out[0]
+        if not prompt:
+            raise RequestError(f"{field}: encodes to no tokens; give at least one token", param=field)
+        n = vocab_size(self.model_provider.model, tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < n), None)
+        if bad is not None:
+            raise RequestError(f"{field}: token id {bad} is outside the vocabulary [0, {n})", param=field)
+        bias = args.logits.logit_bias or {}
+        bad = next((t for t in bias if not 0 <= t < n), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {n})", param="logit_bias")
+        return out

@@ -1,0 +1,119 @@
+"""The options of ``kvcompress serve``: every one of ``mlx_lm.server``'s, and ours.
+
+mlx-lm's parser is taken from ``mlx_lm.server.main`` itself (stopped where it would parse), so
+each of its flags keeps its name, type, default and help; kvcompress adds its own group
+(:data:`OWN_OPTIONS`). :func:`check_server_args` refuses impossible values before the model
+loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+from typing import Sequence
+
+from ..errors import KVCompressError
+
+__all__ = ["server_parser", "parse_server_args", "check_server_args", "OWN_OPTIONS"]
+
+#: kvcompress serve's own options (besides --method/--budget/--config/--param)
+OWN_OPTIONS = ("max_concurrent_requests",)
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def _mlx_parser() -> argparse.ArgumentParser:
+    import mlx_lm.server as srv
+
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        srv.main()
+    except _Captured as got:
+        return got.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    raise KVCompressError("mlx_lm.server.main did not build its argument parser as expected")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """mlx-lm's server parser with kvcompress serve's options added."""
+    p = _mlx_parser()
+    p.prog, p.description = "kvcompress serve", "mlx-lm's OpenAI-compatible server with every KV cache compressed"
+    for action in p._actions:
+        if action.dest == "prompt_cache_size":
+            action.help = ("prompt-cache sequences kept (default: 10): entries no other extends -- a finished "
+                           "request, a conversation's last turn; with them, up to as many shorter compressed "
+                           "entries they extend (a prompt before its answer, a system prompt), since a "
+                           "compressed cache cannot be trimmed back to those")
+    own = p.add_argument_group("kvcompress serve")
+    own.add_argument("--max-concurrent-requests", type=_positive, default=128, metavar="N",
+                     help="generations held at once (each choice of each request, decoding or queued); "
+                          "more are refused with 503 and Retry-After (default: 128)")
+    return p
+
+
+def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; argparse's own one-line error (exit code 2) for an unknown flag or value."""
+    return server_parser().parse_args(list(argv))
+
+
+#: mlx-lm server options checked at start-up: name -> (low, high, low excluded)
+_RANGES = {"temp": (0.0, float("inf"), False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+           "top_k": (0, float("inf"), False), "max_tokens": (1, float("inf"), False),
+           "decode_concurrency": (1, float("inf"), False), "prompt_concurrency": (1, float("inf"), False),
+           "prefill_step_size": (1, float("inf"), False), "prompt_cache_size": (0, float("inf"), False),
+           "num_draft_tokens": (0, float("inf"), False)}
+
+
+def check_server_args(cli_args) -> None:
+    """Raise KVCompressError (one line) unless the options are usable: sampling and size options
+    in range, ``--port`` in 1..65535 and ``--host:--port`` free to listen on."""
+    for name, (lo, hi, lo_open) in _RANGES.items():
+        v = getattr(cli_args, name, None)
+        if v is None:
+            continue
+        if not ((lo < v if lo_open else lo <= v) and v <= hi) or (isinstance(v, float) and math.isnan(v)):
+            want = f">= {lo:g}" if hi == float("inf") else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise KVCompressError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
+    if getattr(cli_args, "prompt_cache_bytes", None) is not None and cli_args.prompt_cache_bytes < 0:
+        raise KVCompressError(f"--prompt-cache-bytes must be >= 0, got {cli_args.prompt_cache_bytes}")
+    host, port = getattr(cli_args, "host", "127.0.0.1"), getattr(cli_args, "port", 8080)
+    if not 1 <= port <= 65535:
+        raise KVCompressError(f"--port must be in [1, 65535], got {port}")
+    try:  # what the server will bind, tried and released
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except socket.gaierror as exc:
+        raise KVCompressError(f"--host {host!r}: not an address of this machine ({exc.strerror}); "
+                              "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    except OSError as exc:
+        import errno
+
+        why = {errno.EADDRINUSE: "the port is in use (another server?); choose a free --port",
+               errno.EACCES: "permission denied (ports below 1024 need privileges); choose another --port",
+               errno.EADDRNOTAVAIL: "the address is not one of this machine's; check --host"}.get(
+                   exc.errno, f"{exc.strerror or exc}; check --host and --port")
+        raise KVCompressError(f"cannot listen on {host} port {port}: {why}") from None

@@ -1,0 +1,116 @@
+"""Start ``kvcompress serve``: options checked, model loaded and compressed, generation loop
+started, then uvicorn listening -- and the exit code a supervisor can act on (0 after a normal
+shutdown, 1 when the generation loop failed beyond its restarts)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from ..errors import KVCompressError
+
+__all__ = ["run_server"]
+
+log = logging.getLogger("kvcompress.serve")
+
+
+def _fingerprint() -> str:
+    try:
+        from mlx_lm.server import get_system_fingerprint
+
+        return get_system_fingerprint()
+    except Exception:
+        return "kvcompress"
+
+
+def _server_class():
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, for which SIGINT / SIGTERM is a normal shutdown: the requests in
+        flight finish (10 s at most), the generation loop stops, the exit status is 0 (uvicorn
+        would re-raise the signal and skip that)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
+def _prompt_cache(cli):
+    """The server's prompt cache (the one place a persistent tier, e.g. a cache folder, would be
+    chosen from the options)."""
+    from ..mlxlm.prompt_cache import CompressedPromptCache
+
+    return CompressedPromptCache(cli.prompt_cache_size)
+
+
+def run_server(method, argv: Sequence[str]) -> int:
+    """Serve with every cache compressed by ``method`` (a built Method); ``argv`` holds the
+    server's options (mlx-lm's and :mod:`.options`'). Returns the exit code; KVCompressError
+    (one line) for a problem found before the server listens."""
+    import mlx.core as mx
+    import uvicorn
+
+    from ..mlxlm.server import model_provider
+    from .admission import Admission
+    from .app import AppState, build_app
+    from .generator import SupervisedGenerator
+    from .options import check_server_args, parse_server_args
+
+    cli = parse_server_args(argv)
+    if cli.kv_bits is not None:
+        raise KVCompressError("--kv-bits quantizes a full cache and cannot be combined with a kvcompress cache; "
+                              "drop it, or quantize what leaves the budget with --method kivi / h2o_kivi")
+    check_server_args(cli)
+    logging.basicConfig(level=getattr(logging, cli.log_level.upper()), format="%(asctime)s - %(levelname)s - %(message)s")
+    try:
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+        maybe_set_recommended_wired_limit()
+    except Exception:
+        pass
+    provider = model_provider(method)(cli)  # loads --model: a bad model or budget stops here
+    server_box: dict = {}
+
+    def fatal(reason: str) -> None:
+        log.error("kvcompress serve: exiting with status 1 (%s)", reason)
+        if "server" in server_box:
+            server_box["server"].should_exit = True
+
+    generator = SupervisedGenerator(provider, _prompt_cache(cli), on_fatal=fatal)
+    if mx.distributed.init().rank() != 0:  # other ranks only generate (mlx-lm's arrangement)
+        generator.join()
+        return 1 if generator.failed else 0
+    batch = max(cli.decode_concurrency, cli.prompt_concurrency)
+    state = AppState(generator=generator, provider=provider, cli=cli, fingerprint=_fingerprint(),
+                     admission=Admission(cli.max_concurrent_requests, batch))
+    level = cli.log_level.lower()
+    config = uvicorn.Config(build_app(state), host=cli.host, port=cli.port, log_level=level,
+                            access_log=level in ("debug", "info"), timeout_graceful_shutdown=10,
+                            backlog=max(2048, 4 * cli.max_concurrent_requests))
+    server = _server_class()(config)
+    server_box["server"] = server
+    if generator.failed:  # failed before the server could start
+        return 1
+    log.info("kvcompress serve: %s with %s on http://%s:%d", cli.model or "(no model yet)", method.name, cli.host,
+             cli.port)
+    try:
+        server.run()
+    finally:
+        generator._stop = True
+        generator.join()
+    return 1 if generator.failed else 0
