@@ -3,8 +3,6 @@
 Set KVCOMPRESS_NO_BLAS_REEXEC=1 to opt out. See kvcompress/_blas.py.
 """
 
-import sys
-
 from kvcompress._blas import reexec_with_openblas, will_reexec
 
 

@@ -245,3 +245,17 @@ def test_usage_errors_are_one_line_with_the_choices(argv, message, capsys):
     assert info.value.code == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(message) and line.endswith("--help)"), line
+
+
+def test_a_closed_pipe_ends_a_listing_quietly():
+    """``kvcompress methods | head -1`` printed a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVCOMPRESS_NO_BLAS_REEXEC": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompress", "methods"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
