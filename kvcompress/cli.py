@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -360,9 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, quietly)."""
+    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, 141 when the reader of
+    stdout went away, as ``kvcompress methods | head`` does; both quietly)."""
     try:
         return _main(argv)
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except KeyboardInterrupt:
         try:
             sys.stdout.flush()
