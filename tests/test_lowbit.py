@@ -275,3 +275,15 @@ def test_generate_builds_the_kernel_before_the_story_and_its_timer(first_build, 
     assert rc == 0 and first_build == ["build", "generate"]
     assert out.err.splitlines()[0].startswith("kvcompress: building the low-bit CPU kernel")
     assert "building" not in out.out and "Generation: 40 tokens" in out.out
+
+
+def test_the_build_notice_takes_its_own_line_under_a_progress_bar(capsys):
+    """A benchmark's first KIVI cache builds the kernel while its tqdm bar is drawn: the notice
+    used to be glued to the end of the bar's line."""
+    tqdm = pytest.importorskip("tqdm").tqdm
+    bar = tqdm(total=10, file=sys.stderr, desc="retrieval")
+    bar.update(3)
+    _build._say("kvcompress: building the low-bit CPU kernel once (test)")
+    bar.close()
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "kvcompress: building the low-bit CPU kernel once (test)" in lines
