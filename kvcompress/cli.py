@@ -362,7 +362,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, 141 when the reader of
     stdout went away, as ``kvcompress methods | head`` does; both quietly)."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # a reader gone away shows here, not as an error at exit
+        return status
     except BrokenPipeError:
         import os
 

@@ -247,15 +247,21 @@ def test_usage_errors_are_one_line_with_the_choices(argv, message, capsys):
     assert line.startswith(message) and line.endswith("--help)"), line
 
 
-def test_a_closed_pipe_ends_a_listing_quietly():
-    """``kvcompress methods | head -1`` printed a BrokenPipeError traceback."""
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_closed_pipe_ends_a_listing_quietly(buffered):
+    """``kvcompress methods | head -1`` printed a BrokenPipeError traceback (unbuffered stdout)
+    or an "Exception ignored" at exit with status 120 (buffered)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "KVCOMPRESS_NO_BLAS_REEXEC": "1"}
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "kvcompress", "methods"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # the reader is gone before the first line is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+    proc.stderr.close()
