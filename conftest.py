@@ -3,13 +3,11 @@
 Set KVCOMPRESS_NO_BLAS_REEXEC=1 to opt out. See kvcompress/_blas.py.
 """
 
-import sys
-
-from kvcompress._blas import find_openblas, openblas_preloaded, reexec_with_openblas
+from kvcompress._blas import reexec_with_openblas, will_reexec
 
 
 def pytest_configure(config):
-    if find_openblas() and not openblas_preloaded():
+    if will_reexec():  # stop capturing only for a real restart (KVCOMPRESS_NO_BLAS_REEXEC=1 runs here)
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
             capture.stop_global_capturing()

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["find_openblas", "openblas_preloaded", "reexec_with_openblas", "FIX_HINT"]
+__all__ = ["find_openblas", "openblas_preloaded", "will_reexec", "reexec_with_openblas", "FIX_HINT"]
 
 _PATTERNS = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -42,17 +42,19 @@ def openblas_preloaded() -> bool:
     return "openblas" in os.environ.get("LD_PRELOAD", "")
 
 
-def reexec_with_openblas(argv: Sequence[str]) -> None:
-    """Restart ``argv`` with OpenBLAS preloaded when on Linux, found, and not yet preloaded.
-
-    Does nothing on macOS, when OpenBLAS is absent, when already preloaded, when
-    ``KVCOMPRESS_NO_BLAS_REEXEC`` is set, or after one restart.
-    """
+def will_reexec() -> bool:
+    """Whether :func:`reexec_with_openblas` restarts the process: on Linux with OpenBLAS found and
+    not preloaded, unless ``KVCOMPRESS_NO_BLAS_REEXEC`` is set or this is the restarted process."""
     if os.environ.get("KVCOMPRESS_NO_BLAS_REEXEC") or os.environ.get(_GUARD) or openblas_preloaded():
+        return False
+    return find_openblas() is not None
+
+
+def reexec_with_openblas(argv: Sequence[str]) -> None:
+    """Restart ``argv`` with OpenBLAS preloaded when :func:`will_reexec` (else do nothing)."""
+    if not will_reexec():
         return
     lib = find_openblas()
-    if lib is None:
-        return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     env[_GUARD] = "1"

@@ -1,13 +1,14 @@
-"""``kvcompress`` command line: plugins, components, methods, config validation, bench, doctor."""
+"""The ``kvcompress`` command line: every command, its options, its one-line errors (:data:`COMMANDS`)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import Optional, Sequence
+
+from ._config_check import NOMINAL_LAYERS, check_layer_budgets, cmd_config_validate  # noqa: F401 (kvcompress.cli API)
 
 __all__ = ["main"]
 
@@ -22,6 +23,26 @@ BENCH_WORKLOADS = {
     "distributed": "kvcompress.bench.distributed",
 }
 DEFAULT_WORKLOAD = "retrieval"
+#: Every command with its one-line summary, in the groups ``kvcompress --help`` lists them in.
+COMMANDS = {
+    "run a model with a compressed KV cache": {
+        "generate": "mlx_lm.generate with a compressed cache, and the bytes it saved",
+        "chat": "mlx-lm's terminal chat with a compressed cache kept across turns",
+        "serve": "mlx-lm's OpenAI-compatible server with every KV cache compressed",
+    },
+    "choose and measure a method": {
+        "bench": "compare methods side by side (default workload: retrieval, no download)",
+        "tune": "search methods and parameters for a model at a budget; write the best config",
+    },
+    "see what is installed": {
+        "methods": "list the named methods: their components and what each does",
+        "components": "list the components by kind, with their parameters",
+        "plugins": "list the plugins, their package, version and components",
+        "config": "check a TOML/JSON method config file (config validate FILE)",
+        "doctor": "check MLX, BLAS speed, the low-bit kernel and the plugins",
+    },
+}
+SUMMARIES = {name: text for group in COMMANDS.values() for name, text in group.items()}
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
 PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
 
@@ -120,65 +141,30 @@ def cmd_methods(args) -> int:
                               **({"why": why[n]} if why[n] else {})}
                           for n, p in sorted(reg.methods.items())}, indent=2))
         return 0
-    width = _width(reg.methods)
-    for name, prov in sorted(reg.methods.items()):
-        s = prov.spec
-        if why[name]:
-            print(f"{name:<{width}} [unavailable: {why[name]}]")
-        else:
-            print(f"{name:<{width}} {s.scorer} + {s.selector} + {s.disposition} + {s.budget}   {s.summary}")
+    rows = [(name, f"{p.spec.scorer} + {p.spec.selector} + {p.spec.disposition} + {p.spec.budget}",
+             f"[unavailable: {why[name]}]" if why[name] else p.spec.summary.replace("`", ""))
+            for name, p in sorted(reg.methods.items())]
+    print("\n".join(aligned([("method", "scorer + selector + disposition + budget", "summary"), *rows])))
     return 0
 
 
-#: Layer counts ``config validate`` evaluates a budget for, without a model.
-NOMINAL_LAYERS = (1, 2, 8, 32)
+def aligned(rows, wrap: Optional[int] = None) -> list[str]:
+    """``rows`` of text cells as lines, every column but the last padded to its widest cell; the
+    last column wrapped under itself to the terminal's width when stdout is one (``wrap``: that
+    width)."""
+    import shutil
+    import textwrap
 
-
-def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
-    """Raise ConfigError unless every layer budget, for each nominal layer count, leaves room to
-    evict past the selector's reserved tokens (what building the caches would check)."""
-    from .components import ModelInfo
-    from .errors import ConfigError
-
-    budget, selector = method.config.budget.name, method.config.selector.name
-    for n in layer_counts:
-        where = f"budget {budget!r} for a {n}-layer model"
-        try:
-            budgets = method.budget.layer_budgets(ModelInfo(n_layers=n))
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        for layer, b in enumerate(budgets):
-            reserved = method.selector.reserved(int(b))
-            if reserved >= b:
-                from .factory import smallest_budget
-
-                size = getattr(method.budget, "budget", None)
-                least = smallest_budget(method, ModelInfo(n_layers=n), size) if isinstance(size, int) else None
-                raise ConfigError(
-                    f"{where}: layer {layer} gets {b} tokens but selector {selector!r} always keeps "
-                    f"{reserved} (sinks + recent window); "
-                    + (f"the smallest budget that builds is {least}" if least else "raise the budget")
-                    + " or protect fewer tokens"
-                )
-
-
-def cmd_config_validate(args) -> int:
-    from .config import load_config
-    from .errors import KVCompressError
-    from .method import build_method
-
-    try:
-        method = build_method(load_config(args.file))
-        check_layer_budgets(method)
-    except KVCompressError as exc:
-        print(f"{args.file}: invalid: {exc}", file=sys.stderr)
-        return 2
-    print(f"{args.file}: ok")
-    print(method.describe())
-    print(f"checked: names, parameters, composition, and layer budgets for "
-          f"{', '.join(map(str, NOMINAL_LAYERS))} layers; left to build time: the model's layer count "
-          "and head dim, and data-driven budgets (e.g. squeeze re-splits after the prompt)")
-    return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    indent = sum(widths) + 2 * len(widths)
+    if wrap is None and sys.stdout.isatty():
+        wrap = shutil.get_terminal_size().columns
+    lines = []
+    for r in rows:
+        head = "".join(f"{c:<{w}}  " for c, w in zip(r, widths))
+        tail = textwrap.wrap(r[-1], max(wrap - indent, 30)) if wrap else [r[-1]]
+        lines += [head + (tail[0] if tail else ""), *(" " * indent + t for t in tail[1:])]
+    return [line.rstrip() for line in lines]
 
 
 def cmd_bench(args) -> int:
@@ -206,52 +192,6 @@ def cmd_tune(args) -> int:
         return 2
 
 
-def cmd_doctor(args) -> int:
-    import platform
-
-    import mlx.core as mx
-
-    from ._blas import FIX_HINT, find_openblas, openblas_preloaded
-
-    print(f"python     {platform.python_version()} on {platform.system()} {platform.machine()}")
-    try:
-        import mlx_lm
-
-        lm_version = mlx_lm.__version__
-    except Exception:  # pragma: no cover - mlx_lm is a dependency
-        lm_version = "?"
-    print(f"mlx        {mx.__version__}   mlx-lm {lm_version}")
-    print(f"device     {mx.default_device()}")
-    if platform.system() == "Linux":
-        lib = find_openblas()
-        auto = ", ".join(f"`kvcompress {c}`" for c in PRELOAD_COMMANDS)
-        if openblas_preloaded():
-            print("blas       OpenBLAS preloaded in this process (fast CPU matmul)")
-        elif lib is None:
-            print("blas       reference BLAS (~35x slower matmul); OpenBLAS not found")
-            print(f"           fix: {FIX_HINT}")
-        else:
-            off = os.environ.get("KVCOMPRESS_NO_BLAS_REEXEC")
-            how = ("not preloaded: KVCOMPRESS_NO_BLAS_REEXEC is set" if off
-                   else f"{auto} preload it automatically")
-            print(f"blas       OpenBLAS found at {lib}; {how}")
-            print(f"           for your own scripts: export LD_PRELOAD={lib}")
-    from . import _lowbit
-
-    lowbit = _lowbit.status()
-    why = lowbit["reason"] or ""
-    print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"] else (
-        "low-bit CPU kernel " if why.startswith("not built yet") else "MLX's quantized_matmul: ") + why))
-    reg = _registry(listing=True)
-    width = _width((p.name for p in reg.plugins()), 14)
-    for p in reg.plugins():
-        print(f"plugin     {p.name:<{width}} {p.dist} {p.version} [{p.status}]" + (f" {p.error}" if p.error else ""))
-    if reg.failed():
-        print(f"{len(reg.failed())} plugin(s) failed to load (why: on its line above); "
-              "KVCOMPRESS_STRICT_PLUGINS=1 makes a broken plugin an error instead of a skip")
-    return 0
-
-
 def _add_bench_parser(sub) -> None:
     """``kvcompress bench [WORKLOAD]``; its help lists every workload with its one-line summary."""
     from .bench._options import DEFAULT_OUT
@@ -267,10 +207,10 @@ def _add_bench_parser(sub) -> None:
     width = max(map(len, summaries))
     listing = "\n".join(f"  {name:<{width}}  {text}" for name, text in summaries.items())
     p = sub.add_parser(
-        "bench", help=f"compare methods side by side (default workload: {DEFAULT_WORKLOAD})",
+        "bench", help=SUMMARIES["bench"],
         description="Compare methods side by side on a workload; each prints a table and\n"
                     f"writes JSON and a plot under ./{DEFAULT_OUT}/ (--out DIR picks another).",
-        epilog=f"workloads:\n{listing}\n\n`kvcompress bench WORKLOAD --help` lists a workload's options.",
+        epilog=f"workloads:\n{listing}\n\nRun kvcompress bench WORKLOAD --help for a workload's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     wsub = p.add_subparsers(dest="workload", metavar="WORKLOAD",
@@ -296,29 +236,48 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def _overview() -> str:
+    """``kvcompress --help``'s text above the options: what it is, every command with its summary."""
+    width = max(map(len, SUMMARIES))
+    lines = ["Composable KV-cache compression for mlx-lm: score the cached tokens, choose which",
+             "leave, and drop, merge or quantize them, under a per-layer budget.", ""]
+    for group, commands in COMMANDS.items():
+        lines += [f"{group}:", *(f"  {name:<{width}}  {text}" for name, text in commands.items()), ""]
+    return "\n".join(lines[:-1])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvcompress", description=__doc__)
+    parser = _Parser(prog="kvcompress", usage="%(prog)s [-h] [--version] COMMAND ...", description=_overview(),
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="Run kvcompress COMMAND --help for a command's options. First time here? "
+                            "Try kvcompress bench\n(no download: the retrieval benchmark on a model shipped "
+                            "with kvcompress).")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"kvcompress {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS,
+                                prog="kvcompress")
 
-    p = sub.add_parser("plugins", help="list plugins, their package, version and components")
+    def command(name, **kw):
+        kw.setdefault("description", SUMMARIES[name][0].upper() + SUMMARIES[name][1:] + ".")
+        return sub.add_parser(name, help=SUMMARIES[name], **kw)
+
+    p = command("plugins")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("components", help="list components by kind with a one-line summary")
+    p = command("components")
     p.add_argument("--kind", choices=["scorer", "selector", "disposition", "budget"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_components)
 
-    p = sub.add_parser("methods", help="list named methods (compositions)")
+    p = command("methods")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--markdown", action="store_true", help="the README's methods table")
     p.set_defaults(func=cmd_methods)
 
-    p = sub.add_parser("config", help="work with method config files")
+    p = command("config", description="Work with method config files.")
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="check a TOML/JSON method config and explain any error")
     v.add_argument("file")
@@ -326,35 +285,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench_parser(sub)
 
-    p = sub.add_parser("generate", help="mlx_lm.generate with a compressed cache, and the bytes it saved")
+    p = command("generate")
     from . import generate
 
     generate.add_arguments(p)
     p.set_defaults(func=lambda a: generate.run(a) and 0)
 
-    p = sub.add_parser("tune", help="search methods and parameters for a model at a budget; write the best config",
-                       description="A bounded search over the registered methods and their main parameters on "
-                                   "your text (or the bundled workloads): ranking with standard errors, the "
-                                   "winning config (tune.toml), tune.json and a plot.")
+    p = command("tune", description="A bounded search over the registered methods and their main parameters on "
+                                    "your text (or the bundled workloads): ranking with standard errors, the "
+                                    "winning config (tune.toml), tune.json and a plot.")
     from .tune.cli import add_arguments as tune_arguments
 
     tune_arguments(p)
     p.set_defaults(func=cmd_tune)
 
-    from .mlxlm.commands import _DESCRIPTIONS
-
     for name in ("serve", "chat"):  # parsed by kvcompress.mlxlm.commands (mlx-lm's flags pass through)
-        sub.add_parser(name, help=_DESCRIPTIONS[name], add_help=False)
+        command(name, add_help=False)
 
-    p = sub.add_parser("doctor", help="check MLX, BLAS speed and plugins")
+    p = command("doctor")
+    from ._doctor import cmd_doctor
+
     p.set_defaults(func=cmd_doctor)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, quietly)."""
+    """Run ``kvcompress ARGV``; returns the exit status (130 after Ctrl-C, 141 when the reader of
+    stdout went away, as ``kvcompress methods | head`` does; both quietly)."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # a reader gone away shows here, not as an error at exit
+        return status
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except KeyboardInterrupt:
         try:
             sys.stdout.flush()

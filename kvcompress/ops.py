@@ -23,9 +23,10 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
+from kvcompress._lowbit import prepare as prepare_quantized_matmul  # re-exported: build it before timing
 from kvcompress._lowbit import quantized_matmul  # re-exported: the few-row low-bit product
 
-__all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "FAST_SOFTMAX_MAX", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "quantized_matmul", "visibility", "lowest_k", "sortable_bits"]
+__all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "FAST_SOFTMAX_MAX", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "prepare_quantized_matmul", "quantized_matmul", "visibility", "lowest_k", "sortable_bits"]
 
 #: Whether decode-path functions run ``mx.compile``d (False with ``KVCOMPRESS_NO_COMPILE=1``:
 #: eagerly, e.g. to debug); components with compiled decode functions read this switch too.

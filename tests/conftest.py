@@ -79,6 +79,23 @@ def stories_text():
     return path.read_text()
 
 
+#: methods of the third-party plugin example, registered once it is pip-installed
+EXAMPLE_PLUGIN_METHODS = {"knorm": "examples/kvcompress-knorm"}
+
+
+def require_method(name: str) -> None:
+    """Skip, saying how to install it, unless method ``name`` is registered (the example
+    plugin's ``knorm`` is not, in a fresh clone: ``.ci/run`` installs it)."""
+    import kvcompress
+
+    reg = kvcompress.get_registry()
+    if name not in reg.methods or reg.unavailable(name):
+        where = EXAMPLE_PLUGIN_METHODS.get(name)
+        why = reg.unavailable(name) if name in reg.methods else "it is not registered"
+        pytest.skip(f"method {name!r} cannot run here ({why}): " + (
+            f"pip install -e {where} to test the example plugin" if where else "install its plugin"))
+
+
 def make_caches(model, method: str, want: int, **params) -> list:
     """``make_prompt_cache`` with the smallest budget >= ``want`` the method accepts (methods
     protect different numbers of tokens: sinks, recent windows, chunk slack)."""

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+import kvcompress
 from kvcompress.cli import main
 from kvcompress.registry import reset_registry
 
@@ -43,13 +44,70 @@ def test_methods_marks_a_method_whose_component_plugin_is_disabled(disabled, cap
     assert main(["methods"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     why = "scorer 'recency' comes from plugin 'streaming_llm', which is disabled"
-    assert lines["kivi"].split(None, 1)[1] == f"[unavailable: {why}]"
+    assert lines["kivi"].split(None, 1)[1].endswith(f"  [unavailable: {why}]")
     assert "unavailable" not in lines["h2o"] and "streaming_llm" not in lines
     assert main(["methods", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["kivi"]["available"] is False and data["kivi"]["why"] == why
     assert data["h2o"]["available"] is True and "why" not in data["h2o"]
 
+
+
+def test_methods_columns_are_aligned(capsys):
+    """Every row's composition and summary start in the same column as the header's."""
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head, rows = out[0], out[1:]
+    assert head.split("  ")[0].strip() == "method" and "`" not in "\n".join(out)
+    comp, summ = head.index("scorer + selector"), head.index("summary")
+    reg = kvcompress.get_registry()
+    assert len(rows) == len(reg.methods)
+    for line, name in zip(rows, sorted(reg.methods)):
+        spec = reg.method(name)
+        assert line[:comp].rstrip() == name and line[comp - 2:comp] == "  " and line[comp] != " ", line
+        assert line[comp:summ].rstrip() == f"{spec.scorer} + {spec.selector} + {spec.disposition} + {spec.budget}"
+        assert line[summ - 2:summ] == "  " and line[summ] != " ", line
+
+
+def test_aligned_wraps_the_last_column_under_itself():
+    from kvcompress.cli import aligned
+
+    lines = aligned([("a", "bb", "one two three four five six seven eight nine ten"), ("ccc", "d", "x")], wrap=40)
+    assert lines[0] == "a    bb  one two three four five six"
+    assert lines[1] == "         seven eight nine ten" and lines[2] == "ccc  d   x"
+
+
+# ------------------------------------------------------------------------------------------
+# kvcompress --help
+# ------------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_command_with_a_one_line_summary_in_plain_text(capsys):
+    from kvcompress.cli import SUMMARIES, build_parser
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvcompress [-h] [--version] COMMAND ...\n")
+    assert "`" not in out and "{" not in out  # no reST/markdown quoting, no argparse choice braces
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert set(SUMMARIES) == set(commands)
+    listed = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+    for name in commands:
+        assert name in listed, f"{name} missing from kvcompress --help"
+        assert listed[name].split(None, 1)[1] == SUMMARIES[name] and len(listed[name]) <= 100
+    assert "kvcompress COMMAND --help" in out
+
+
+@pytest.mark.parametrize("command", ["plugins", "components", "methods", "config", "bench", "generate", "tune",
+                                     "doctor"])
+def test_each_command_help_is_plain_text(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvcompress {command}") and "`" not in out, out
 
 
 # ------------------------------------------------------------------------------------------
@@ -187,3 +245,23 @@ def test_usage_errors_are_one_line_with_the_choices(argv, message, capsys):
     assert info.value.code == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(message) and line.endswith("--help)"), line
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_closed_pipe_ends_a_listing_quietly(buffered):
+    """``kvcompress methods | head -1`` printed a BrokenPipeError traceback (unbuffered stdout)
+    or an "Exception ignored" at exit with status 120 (buffered)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVCOMPRESS_NO_BLAS_REEXEC": "1"}
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompress", "methods"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+    proc.stderr.close()

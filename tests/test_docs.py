@@ -197,6 +197,19 @@ def test_cli_page_covers_every_command_and_option():
                     assert f"`{opt}" in text, f"`kvcompress {name} {opt}` is not documented in docs/cli.md"
 
 
+def test_cli_page_shows_the_current_top_level_help(capsys, monkeypatch):
+    """docs/cli.md's ``kvcompress --help`` block is what the command prints (80 columns)."""
+    from kvcompress.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out.rstrip()
+    text = (DOCS / "cli.md").read_text()
+    block = text.split("$ kvcompress --help\n", 1)[1].split("\n```", 1)[0]
+    assert block == out
+
+
 def doc_files():
     return sorted([*DOCS.rglob("*.md"), REPO / "README.md", REPO / "examples" / "kvcompress-knorm" / "README.md"])
 

@@ -198,3 +198,92 @@ def test_kivi_decode_with_the_kernel_matches_mlx_kernel(kernel, monkeypatch):
     plain = run()
     assert mx.array_equal(mx.argmax(fast, axis=-1), mx.argmax(plain, axis=-1)).item()
     assert mx.allclose(fast, plain, rtol=1e-4, atol=1e-4).item()
+
+
+class _FakeKernel:
+    """MLX's product behind the compiled module's interface (the probe accepts it)."""
+
+    @staticmethod
+    def qmm(x, w, scales, biases, *, group_size, bits, stream=None):
+        return mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size=group_size, bits=bits)
+
+    @staticmethod
+    def has_avx2():
+        return False
+
+
+@pytest.fixture
+def first_build(monkeypatch):
+    """A process that has not resolved the kernel yet; ``events`` records the (fake) build."""
+    events = []
+
+    def load():
+        print("kvcompress: building the low-bit CPU kernel once (fake)", file=sys.stderr, flush=True)
+        events.append("build")
+        return _FakeKernel()
+
+    monkeypatch.setattr(_lowbit, "_resolved", {})
+    monkeypatch.setattr(_lowbit, "_not_applicable", lambda: None)
+    monkeypatch.setattr(_build, "load", load)
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the low-bit kernel serves the CPU only")
+    return events
+
+
+@pytest.mark.parametrize("how", ["make", "load"])
+def test_a_kivi_cache_builds_the_kernel_when_made_or_loaded_not_in_its_first_decode(first_build, how, tmp_path,
+                                                                                   monkeypatch):
+    import kvcompress
+    from conftest import tiny_llama
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=1, vocab=97, seed=3)
+    if how == "load":
+        cache = kvcompress.make_prompt_cache(model, "kivi", budget=32)
+        mx.eval(model(mx.array([[(7 * i) % 97 for i in range(80)]]), cache=cache))
+        kvcompress.save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+        monkeypatch.setattr(_lowbit, "_resolved", {})
+        first_build.clear()
+        cache = kvcompress.load_prompt_cache(str(tmp_path / "c.safetensors"))
+    else:
+        cache = kvcompress.make_prompt_cache(model, "kivi", budget=32)
+    assert first_build == ["build"]  # before any token: the decode below runs the built kernel
+    tok = model(mx.array([[1, 2, 3] * 30]), cache=cache)[:, -1:]
+    mx.eval(model(mx.argmax(tok, axis=-1), cache=cache))
+    assert cache[0].diagnostics["quantized_tokens"] > 0 and first_build == ["build"]
+
+
+def test_generate_builds_the_kernel_before_the_story_and_its_timer(first_build, stories_model, monkeypatch, capsys):
+    """``kvcompress generate --method kivi`` on a fresh machine: the build notice comes on its
+    own line before any token is printed, and the build is not counted as generation time."""
+    import mlx_lm
+
+    from kvcompress import generate
+    from kvcompress.cli import main
+
+    monkeypatch.setenv("KVCOMPRESS_NO_BLAS_REEXEC", "1")
+    monkeypatch.setattr(generate, "load_model", lambda name, pipeline=False: stories_model)
+    real = mlx_lm.stream_generate
+
+    def stream_generate(*a, **kw):
+        first_build.append("generate")
+        yield from real(*a, **kw)
+
+    monkeypatch.setattr(mlx_lm, "stream_generate", stream_generate)
+    rc = main(["generate", "--model", "stories260K", "--method", "kivi", "--budget", "16", "--max-tokens", "40",
+               "--prompt", "Once upon a time, there was a little girl named Lily. She liked to play"])
+    out = capsys.readouterr()
+    assert rc == 0 and first_build == ["build", "generate"]
+    assert out.err.splitlines()[0].startswith("kvcompress: building the low-bit CPU kernel")
+    assert "building" not in out.out and "Generation: 40 tokens" in out.out
+
+
+def test_the_build_notice_takes_its_own_line_under_a_progress_bar(capsys):
+    """A benchmark's first KIVI cache builds the kernel while its tqdm bar is drawn: the notice
+    used to be glued to the end of the bar's line."""
+    tqdm = pytest.importorskip("tqdm").tqdm
+    bar = tqdm(total=10, file=sys.stderr, desc="retrieval")
+    bar.update(3)
+    _build._say("kvcompress: building the low-bit CPU kernel once (test)")
+    bar.close()
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "kvcompress: building the low-bit CPU kernel once (test)" in lines

@@ -281,7 +281,7 @@ def test_listing_columns_stay_aligned_for_long_names(monkeypatch, capsys):
     assert main(["methods"]) == 0
     rows = capsys.readouterr().out.splitlines()
     second = {len(line) - len(line[len(line.split()[0]):].lstrip(" ")) for line in rows}  # column 2 starts
-    assert len(second) == 1 and second.pop() == len(long) + 1, rows
+    assert len(second) == 1 and second.pop() == len(long) + 2, rows  # two spaces between columns
     assert main(["plugins"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(" ")]
     assert len({len(ln) - len(ln[len(ln.split()[0]):].lstrip(" ")) for ln in lines}) == 1, lines

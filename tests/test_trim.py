@@ -12,7 +12,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
 import kvcompress
-from conftest import make_caches, tiny_llama
+from conftest import make_caches, require_method, tiny_llama
 from kvcompress import KVCompressError
 from test_cache_protocol import (
     _continue, assert_same_snapshot, component_state_arrays, feed, fresh_tiny, positions, snapshot, token_ids,
@@ -187,10 +187,12 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
     _assert_same_cache(a, b)
 
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv", "streaming_llm", "knorm"])
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "streaming_llm", "keydiff", "knorm"])
 def test_a_long_step_is_trimmable_only_whole_when_scores_need_its_queries(method):
     """Steps of more than 16 tokens keep no queries to re-observe with: a query-scored cache can
-    only drop such a step whole; a query-free scorer re-scores without them."""
+    only drop such a step whole; a query-free scorer (keydiff built in, knorm from the example
+    plugin) re-scores without them."""
+    require_method(method)
     model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
     (c,) = make_caches(model, method, 10)
     _drive_direct(c, np.random.default_rng(0), [12, 12, 20])

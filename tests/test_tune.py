@@ -253,6 +253,32 @@ def test_a_candidate_the_budget_cannot_build_is_skipped_with_its_error():
     assert res["winner"]["method"] == "h2o"
 
 
+def test_every_candidate_skipped_is_said_so_not_blamed_on_memory():
+    with pytest.raises(ValueError) as exc:
+        _run(FakeWorkload(_method_loss({}), fail={"h2o", "snapkv"}), methods=["h2o", "snapkv"], candidates=1000,
+             max_seconds=1e9)
+    msg = str(exc.value)
+    assert msg.startswith("no candidate to rank: ") and "memory budget" not in msg
+    assert "2 skipped because budget 10 cannot build them (first: h2o: ConfigError: h2o cannot be built" in msg
+    assert "raise --budget" in msg
+
+
+def test_every_candidate_left_out_by_max_minutes_says_raise_it():
+    w = FakeWorkload(_method_loss({}), step=10.0)
+    with pytest.raises(ValueError) as exc:
+        _run(w, methods=["h2o", "snapkv"], candidates=1000, max_seconds=15.0)
+    msg = str(exc.value)
+    assert "memory budget" not in msg and "skipped" not in msg
+    assert "2 left out (--max-minutes 0.25 reached; the full-cache pass alone took 10.0 s: raise --max-minutes)" in msg
+
+
+def test_every_candidate_over_budget_still_names_the_memory_budget():
+    with pytest.raises(ValueError, match=r"^no candidate to rank: 2 measured over the memory budget \(2 x 10 "
+                       r"full-precision tokens: raise --budget or pass --allow-over-budget\)$"):
+        _run(FakeWorkload(_method_loss({}), lambda c: 1e9), methods=["h2o", "snapkv"], candidates=1000,
+             max_seconds=1e9)
+
+
 def test_paired_standard_error():
     gap, se = paired_gap(np.array([2.0, 3.0, 5.0]), np.array([1.0, 1.0, 1.0]))
     assert gap == pytest.approx(7 / 3)

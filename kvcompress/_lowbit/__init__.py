@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _build
 
-__all__ = ["quantized_matmul", "status"]
+__all__ = ["prepare", "quantized_matmul", "status"]
 
 _lock = threading.Lock()
 _resolved: dict = {}  # once per process: {"module": module or None, "reason": str or None}
@@ -74,6 +74,14 @@ def _probe(module) -> None:
         ) from None
     if not ok:
         raise _build.BuildError("the built low-bit kernel disagrees with mx.quantized_matmul; not used")
+
+
+def prepare() -> bool:
+    """Resolve the kernel now, building it on first use (a notice on stderr, ~40 s), when MLX's
+    default device is the CPU; whether it will be used. Components that read the packed store
+    call it when a cache is made or loaded, so the build never lands inside a timed decode step
+    or between the tokens of a streamed answer."""
+    return mx.default_device() == mx.cpu and _kernel() is not None
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,8 +108,8 @@ def load():
 
 
 def _build(entry: Path, so: Path) -> None:
-    print(f"kvcompress: building the low-bit CPU kernel once (about a minute; cached in {entry})",
-          file=sys.stderr, flush=True)
+    _say(f"kvcompress: building the low-bit CPU kernel once (about a minute; cached in {entry})")
+    t0 = time.perf_counter()
     log = entry / "build.log"
     with tempfile.TemporaryDirectory(prefix="build-", dir=entry) as tmp:
         out = Path(tmp) / "out"
@@ -131,3 +132,15 @@ def _build(entry: Path, so: Path) -> None:
         if not built.exists():
             raise BuildError(f"building the low-bit kernel produced no {so.name}; log: {log}")
         os.replace(built, so)
+    _say(f"kvcompress: low-bit CPU kernel built in {time.perf_counter() - t0:.0f} s")
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr on a line of its own, above any tqdm progress bar (a benchmark's)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(line, file=sys.stderr, flush=True)
+        return
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()

@@ -38,6 +38,7 @@ from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_minimum
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, save_plot, warn_openblas
+from ._styles import series_styles
 
 __all__ = [
     "DEFAULTS",
@@ -314,24 +315,21 @@ def plot_perplexity(payload: dict, path) -> Path:
     st = payload["settings"]
     budgets = list(st["budgets"])
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    cmap = plt.get_cmap("tab20")
-    colors = [cmap(i) for i in range(20) if i not in (14, 15)]  # no greys: black = rotating
     labels = [m for m in dict.fromkeys(r["label"] for r in payload["results"]) if m != "full"]
+    styles = series_styles(labels)  # colour x marker x line style: 20 methods told apart
     gaps = [0.0]
-    for k, lbl in enumerate(labels):
+    for lbl in labels:
         pts = sorted((r["budget"], r["gap"]) for r in payload["results"]
                      if r["label"] == lbl and r.get("gap") is not None and r["budget"] is not None)
         flat = [r["gap"] for r in payload["results"] if r["label"] == lbl and r["budget"] is None
                 and r.get("gap") is not None]
         if flat:  # no budget: one horizontal line
             gaps.append(flat[0])
-            ax.axhline(flat[0], label=lbl, color=colors[k % len(colors)], linestyle="--", linewidth=1)
+            ax.axhline(flat[0], label=lbl, color=styles[lbl]["color"], linestyle="--", linewidth=1)
         if pts:
             xs, ys = zip(*pts)
             gaps += ys
-            ax.plot(xs, ys, label=lbl, marker="osD^v<>pPX"[k % 10], markersize=4,
-                    color="black" if lbl == "rotating" else colors[k % len(colors)],
-                    linestyle="--" if lbl == "rotating" else ("-." if k >= len(colors) // 2 else "-"))
+            ax.plot(xs, ys, label=lbl, markersize=4, **styles[lbl])
     ax.axhline(0.0, color="black", linestyle=":", linewidth=1, label=f"full (ppl {payload['full'].get('ppl', float('nan')):.3f})")
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets)

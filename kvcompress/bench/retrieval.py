@@ -283,37 +283,59 @@ def caption(payload: dict) -> str:
 
 
 def plot_retrieval(payload: dict, path) -> Path:
+    """Save :func:`retrieval_figure` with its caption."""
+    return save_plot(retrieval_figure(payload), path, f"{caption(payload)}. {PLOT_NOTE}")
+
+
+#: What the plot does to keep 20 series readable (said under it).
+PLOT_NOTE = ("Legend: best first (mean accuracy over the panels); methods with identical results in every panel "
+             "are drawn once, joined by '='; series are dodged sideways by up to +-3% so equal values stay visible.")
+
+
+def retrieval_figure(payload: dict):
     """One panel per (task, prefill mode): accuracy vs measured memory compression, one line per
     method. Measured, not nominal: a quantizing method (KIVI) run at budget ``context / 8``
     keeps every token in fewer bits and lands near 3x, not 8x; eviction methods land slightly
-    below the nominal ratio because positions and scores are stored too."""
+    below the nominal ratio because positions and scores are stored too. Each series has its
+    own colour, marker and line style (:func:`~kvcompress.bench._styles.series_styles`)."""
+    from ._styles import dodge, identical_series, series_styles
+
     plt = pyplot()
     st = payload["settings"]
     tasks, chunks, ratios = st["tasks"], st["prefill_chunks"], list(st["ratios"])
+    panels = [(task, chunk) for task in tasks for chunk in chunks]
     labels = [m for m in result_labels(payload) if m != "full"]
-    fig, axes = plt.subplots(len(tasks), len(chunks), figsize=(4.6 * len(chunks) + 2.4, 3.4 * len(tasks) + 1.2),
+    points = {lbl: {p: sorted((r["bytes_ratio"], r["accuracy"]) for r in payload["results"]
+                              if (r["task"], r["prefill_chunk"]) == p and r["label"] == lbl
+                              and r.get("accuracy") is not None) for p in panels} for lbl in labels}
+
+    def mean_accuracy(group):
+        ys = [y for pts in points[group[0]].values() for _, y in pts]
+        return sum(ys) / len(ys) if ys else -1.0
+
+    groups = sorted(identical_series(points), key=mean_accuracy, reverse=True)
+    names = [" = ".join(g) for g in groups]
+    styles, shift = series_styles(names), dodge(len(groups))
+    fig, axes = plt.subplots(len(tasks), len(chunks), figsize=(4.6 * len(chunks) + 2.8, 3.4 * len(tasks) + 1.4),
                              squeeze=False)
-    cmap = plt.get_cmap("tab20")
-    colors = [cmap(i) for i in range(20) if i not in (14, 15)]  # no greys: those are baselines
-    markers = "osD^v<>pPXh*"
+    handles = {}
     for i, task in enumerate(tasks):
         for j, chunk in enumerate(chunks):
             ax = axes[i][j]
-            rs = [r for r in payload["results"] if r["task"] == task and r["prefill_chunk"] == chunk]
-            full = next((r.get("accuracy") for r in rs if r["label"] == "full"), None)
+            full = next((r.get("accuracy") for r in payload["results"] if r["label"] == "full"
+                         and (r["task"], r["prefill_chunk"]) == (task, chunk)), None)
             if full is not None:
-                ax.axhline(full, color="black", linestyle=":", linewidth=1, label="full (KVCache)")
-            for k, lbl in enumerate(labels):
-                pts = sorted((r["bytes_ratio"], r["accuracy"]) for r in rs
-                             if r["label"] == lbl and r.get("accuracy") is not None)
+                handles["full (KVCache)"] = ax.axhline(full, color="black", linestyle=":", linewidth=1)
+            for k, (group, name) in enumerate(zip(groups, names)):
+                pts = points[group[0]][(task, chunk)]
                 if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, label=lbl, color="black" if lbl == "rotating" else colors[k % len(colors)],
-                            linestyle="--" if lbl == "rotating" else ("-." if k >= len(colors) // 2 else "-"),
-                            marker=markers[k % len(markers)], markersize=4, alpha=0.85)
+                    (line,) = ax.plot([x * shift[k] for x, _ in pts], [y for _, y in pts], label=name,
+                                      markersize=4.5, alpha=0.9, zorder=3 + len(groups) - k, **styles[name])
+                    handles.setdefault(name, line)
             ax.set_xscale("log", base=2)
             ax.set_xticks(ratios)
             ax.set_xticklabels([f"{x}x" for x in ratios])
+            ax.minorticks_off()
             ax.set_ylim(-0.03, 1.03)
             ax.grid(alpha=0.3)
             ax.set_title(f"{task}: {_chunk_label(chunk)}", fontsize=8)
@@ -321,9 +343,11 @@ def plot_retrieval(payload: dict, path) -> Path:
                 ax.set_xlabel("KV memory compression, measured (full-cache bytes / cache bytes)")
             if j == 0:
                 ax.set_ylabel("exact-match accuracy")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    order = [n for n in ["full (KVCache)", *names] if n in handles]
+    axes[0][-1].legend([handles[n] for n in order], order, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                       title="best first", title_fontsize=7, handlelength=3.2)
     fig.suptitle("Needle retrieval with a bounded KV cache (embedded model), higher is better", fontsize=10)
-    return save_plot(fig, path, caption(payload))
+    return fig
 
 
 # --------------------------------------------------------------------------------------------

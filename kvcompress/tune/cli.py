@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "model, scored on passkey and multi-query retrieval)")
     p.add_argument("--budget", type=int, required=True, help="tokens kept per layer (the mean over layers for "
                                                              "per-layer budgets)")
-    p.add_argument("--data", help="UTF-8 text to score perplexity on, with --model (default: the TinyStories "
-                                  "validation text the perplexity benchmark uses)")
+    p.add_argument("--data", help="UTF-8 text to score perplexity on, with --model (default: 45 KB of plain "
+                                  "English prose bundled with kvcompress)")
     p.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
                    help="methods, separated by commas or spaces (default: every registered method)")
     p.add_argument("--candidates", type=int, default=d["candidates"],

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from kvcompress.bench._report import caption as _caption
 from kvcompress.bench._report import print_table, pyplot, save_plot
 
-__all__ = ["to_toml", "write_toml", "ranking_rows", "print_ranking", "plot_tune"]
+__all__ = ["to_toml", "write_toml", "ranking_rows", "print_ranking", "plot_tune", "tune_figure"]
 
 
 def _toml_value(v: Any) -> str:
@@ -120,29 +120,43 @@ def caption(payload: Mapping[str, Any]) -> str:
 
 
 def plot_tune(payload: Mapping[str, Any], path, top: int = 30) -> Path:
+    """Save :func:`tune_figure` with its caption."""
+    return save_plot(tune_figure(payload, top), path, caption(payload))
+
+
+def tune_figure(payload: Mapping[str, Any], top: int = 30):
     """The ``top`` candidates by search gap (error bars: one standard error), the finalists'
-    held-out gaps beside them, over-budget candidates in grey."""
+    held-out gaps beside them, the winner in green, over-budget candidates in grey; the legend
+    sits above the axes, where it hides no point."""
+    from matplotlib.lines import Line2D
+
     plt = pyplot()
     done = sorted((r for r in payload["candidates"] if r.get("gap") is not None), key=lambda r: r["gap"])[:top]
     held = {f["label"]: f for f in payload["finalists"]}
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.22 * max(len(done), 4)))
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.22 * max(len(done), 4)))
     ys = list(range(len(done)))[::-1]
+    colors = {"search": "tab:blue", "winner": "tab:green", "over": "0.6", "held": "tab:orange"}
     for y, r in zip(ys, done):
-        color = "0.6" if r["over"] else ("tab:green" if r["label"] == payload["winner"]["label"] else "tab:blue")
-        ax.errorbar(r["gap"], y, xerr=r["se"] or 0.0, fmt="o", color=color, markersize=4, capsize=2)
+        kind = "over" if r["over"] else ("winner" if r["label"] == payload["winner"]["label"] else "search")
+        ax.errorbar(r["gap"], y, xerr=r["se"] or 0.0, fmt="o", color=colors[kind], markersize=4, capsize=2)
         if r["label"] in held:
             f = held[r["label"]]
-            ax.errorbar(f["gap"], y - 0.25, xerr=f["se"] or 0.0, fmt="D", color="tab:orange", markersize=4,
-                        capsize=2, label="held-out" if "held-out" not in ax.get_legend_handles_labels()[1] else None)
+            ax.errorbar(f["gap"], y - 0.25, xerr=f["se"] or 0.0, fmt="D", color=colors["held"], markersize=4,
+                        capsize=2)
     ax.set_yticks(ys)
     ax.set_yticklabels([r["label"] + (" (over)" if r["over"] else "") for r in done], fontsize=7)
     ax.axvline(0.0, color="black", linestyle=":", linewidth=1)
     loss = "NLL" if payload["workload"]["workload"] == "perplexity" else "error rate"
     ax.set_xlabel(f"gap to the full cache ({loss}, lower is better; bars: 1 s.e.)")
     ax.grid(alpha=0.3, axis="x")
-    if held:
-        ax.legend(fontsize=7, loc="lower right")
+    legend = [("search", "o", colors["search"]), ("winner", "o", colors["winner"]),
+              ("held-out (finalists)", "D", colors["held"])]
+    if any(r["over"] for r in done):
+        legend.append(("over budget", "o", colors["over"]))
+    ax.legend([Line2D([], [], marker=m, color=c, linestyle="none", markersize=5) for _, m, c in legend],
+              [t for t, _, _ in legend], fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(legend),
+              frameon=False, borderaxespad=0.3, handletextpad=0.3, columnspacing=1.2)
     w = payload["winner"]
-    ax.set_title(f"kvcompress tune, {payload['settings']['model_name']}, budget {payload['settings']['budget']}: "
+    fig.suptitle(f"kvcompress tune, {payload['settings']['model_name']}, budget {payload['settings']['budget']}: "
                  f"winner {w['label']}", fontsize=9)
-    return save_plot(fig, path, caption(payload))
+    return fig

@@ -206,8 +206,7 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     # finalists on held-out items
     ok = [r for r in records if r.get("gap") is not None and (allow_over or not r["over"])]
     if not ok:
-        raise ValueError(f"no candidate could be measured within the memory budget ({MEMORY_SLACK:g} x "
-                         f"{budget} full-precision tokens); raise --budget or pass --allow-over-budget")
+        raise ValueError(_nothing_to_rank(records, left_out, budget, full.seconds))
     chosen = sorted(ok, key=lambda r: r["gap"])[:finalists]
     say(f"tune: re-measuring {len(chosen)} finalists and the full cache on {n_held} held-out items")
     full_held = workload.measure(factory(None), "heldout")
@@ -228,6 +227,31 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
         "config": Candidate(winner["method"], winner["params"]).config(budget),
         "seconds_total": round(clock() - start, 1),
     }
+
+
+def _nothing_to_rank(records: list, left_out: list, budget: int, full_seconds: float) -> str:
+    """Why no candidate can win, each cause counted with what to change (one line)."""
+    over = [r for r in records if r.get("gap") is not None]  # measured: all over, or one would win
+    skipped = [r for r in records if "skipped" in r]
+    failed = [r for r in records if r.get("error")]
+    parts = []
+    if over:
+        parts.append(f"{len(over)} measured over the memory budget ({MEMORY_SLACK:g} x {budget} full-precision "
+                     "tokens: raise --budget or pass --allow-over-budget)")
+    if skipped:
+        parts.append(f"{len(skipped)} skipped because budget {budget} cannot build them (first: "
+                     f"{skipped[0]['label']}: {skipped[0]['skipped']}; raise --budget)")
+    if failed:
+        parts.append(f"{len(failed)} failed (first: {failed[0]['label']}: {failed[0]['error']})")
+    whys: dict[str, int] = {}
+    for x in left_out:
+        whys[x["why"]] = whys.get(x["why"], 0) + 1
+    for why, n in whys.items():
+        hint = (f"; the full-cache pass alone took {full_seconds:.1f} s: raise --max-minutes"
+                if why.startswith("--max-minutes") else
+                "; raise --candidates" if why.startswith("--candidates") else "")
+        parts.append(f"{n} left out ({why}{hint})")
+    return "no candidate to rank: " + "; ".join(parts or ["no method to try"])
 
 
 def _spec(reg, name: str):

