@@ -228,11 +228,16 @@ def _read_saved_cache(path: str) -> list:
 def _attach_saved_cache(cache: list, model, path: str) -> list:
     from . import install
     from .errors import ConfigError
+    from .mlxlm.fit import CacheMismatch, check_fit
 
-    if len(cache) != len(model.layers):
+    if len(cache) != len(model.layers):  # (also a file without kvcompress layers)
         raise ConfigError(
             f"--prompt-cache-file {path!r} holds {len(cache)} layers; the model has {len(model.layers)}"
         )
+    try:
+        check_fit(model, cache, where=f"--prompt-cache-file {path!r}")
+    except CacheMismatch as exc:
+        raise ConfigError(str(exc)) from None
     install(model)
     return cache
 
