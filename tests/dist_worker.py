@@ -91,6 +91,8 @@ def main() -> None:
 
             traceback.print_exc()
             print(f"rank {group.rank()}: {m} failed: {exc}", file=sys.stderr, flush=True)
+    # no rank leaves while another still runs the last step mlx-lm's generate_step queued
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     with open(f"{out_dir}/rank{group.rank()}.json", "w") as f:
         json.dump(out, f)
 

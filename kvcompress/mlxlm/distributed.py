@@ -113,13 +113,14 @@ def topology(model) -> Topology:
 _AGREE_BYTES = 4096
 
 
-def agree(summary: str, digest: str, error: Optional[str]) -> None:
+def agree(summary: str, digest: str, error: Optional[str], action: str = "built") -> None:
     """Agree a cache build across the ranks with one ``all_gather`` of a few KB: each rank sends
     a digest of what it built (method config, global budgets, layer count, parallelism), a short
     summary, and its build error if it refused. Every rank then raises the same
     :class:`~kvcompress.ConfigError` if any rank refused (naming the rank and its reason) or the
     digests differ (naming what each rank built), instead of one rank dying with a ring error or
-    the ranks hanging in a later step's collective. No-op in a single process."""
+    the ranks hanging in a later step's collective. ``action`` says what the ranks did (built,
+    loaded). No-op in a single process."""
     group = world()
     if group is None:
         return
@@ -148,7 +149,7 @@ def agree(summary: str, digest: str, error: Optional[str]) -> None:
     if len({x["digest"] for x in ranks}) > 1:
         built = "; ".join(f"rank {r}: {x['summary']}" for r, x in enumerate(ranks))
         raise ConfigError(
-            f"the {n} ranks built different caches ({built}); every rank must build the same method, "
+            f"the {n} ranks {action} different caches ({built}); every rank must use the same method, "
             "parameters and budgets (they would hang or keep different tokens)"
         )
 
