@@ -91,7 +91,6 @@ def save_prompt_cache(file_name: str, cache: list, metadata: Optional[dict] = No
 def _header(file_name: str) -> Optional[dict]:
     """The JSON header of a ``.safetensors`` file (tensor names -> entries, ``__metadata__``), or
     None when it cannot be read (mlx's loader then says why)."""
-    import json
     import struct
 
     try:
