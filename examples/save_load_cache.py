@@ -3,9 +3,9 @@
     python examples/save_load_cache.py MODEL [--method h2o] [--budget 32] [--file cache.safetensors]
 
 Compressed caches use mlx-lm's file format and loader (mlx-lm's own ``load_prompt_cache`` reads
-them); ``kvcompress.save_prompt_cache`` / ``load_prompt_cache`` add a digest that catches a
-damaged file. ``kvcompress generate --save-prompt-cache FILE`` / ``--prompt-cache-file FILE`` do
-the same.
+them); every file carries a digest over its layers and metadata that both loaders check, so a
+damaged file is refused. ``mlx_lm.generate`` continues a loaded cache exactly (in a fresh process
+too). ``kvcompress generate --save-prompt-cache FILE`` / ``--prompt-cache-file FILE`` do the same.
 """
 
 from __future__ import annotations

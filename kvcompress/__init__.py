@@ -20,6 +20,7 @@ from .factory import KVCacheBuilder, KVCacheConfig, attach, detach, make_prompt_
 from .hookspecs import hookimpl
 from .method import Method, build_method
 from .mlxlm.attention import install, is_installed
+from .mlxlm.fit import CacheMismatch
 from .mlxlm.loader import register as _register_with_mlx_lm
 from .persistence import CorruptCacheFile, load_prompt_cache, save_prompt_cache
 from .registry import Registry, get_registry
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchCompressedKVCache",
     "Budget",
+    "CacheMismatch",
     "ComponentConfig",
     "ComponentSpec",
     "CompositionError",

@@ -1,16 +1,30 @@
 """Run at interpreter start-up by ``kvcompress-autoload.pth`` (installed with the package).
 
-It imports nothing heavy: it only waits for ``mlx_lm.models.cache`` to be imported and then puts
-two small placeholder classes there, so mlx-lm's own ``load_prompt_cache`` (and its CLIs'
-``--prompt-cache-file``) can read a kvcompress file without the user importing kvcompress. A
-placeholder imports kvcompress on first use, which replaces it with the real class.
+It imports nothing heavy: it only waits for ``mlx_lm.models.cache`` to be imported and then
+
+* puts two small placeholder classes there, so mlx-lm's own ``load_prompt_cache`` (and its CLIs'
+  ``--prompt-cache-file``) can read a kvcompress file without the user importing kvcompress (a
+  placeholder imports kvcompress on first use, which replaces it with the real class);
+* wraps that module's ``load_prompt_cache`` and ``save_prompt_cache`` (:func:`wrap_file_functions`):
+  a file naming a kvcompress class or carrying a kvcompress digest is read by
+  :func:`kvcompress.load_prompt_cache` (which checks the digest), a cache list holding kvcompress
+  caches is written by :func:`kvcompress.save_prompt_cache` (which writes it); every other file
+  and cache list goes to mlx-lm's functions unchanged (after one read of the file's header).
+
+``kvcompress.mlxlm.loader.register`` applies the same wrappers when kvcompress is imported in a
+process started without this hook.
 """
 
 import importlib.util
+import json
+import struct
 import sys
 from importlib.abc import MetaPathFinder
 
 _TARGET = "mlx_lm.models.cache"
+CACHE_CLASSES = ("CompressedKVCache", "BatchCompressedKVCache")
+DIGEST_KEY = "kvcompress_digest"
+_MARK = "__kvcompress_file__"
 
 
 def _placeholder(name):
@@ -20,6 +34,72 @@ def _placeholder(name):
         return getattr(sys.modules[_TARGET], name).from_state(state)
 
     return type(name, (), {"from_state": classmethod(from_state), "__doc__": "kvcompress placeholder"})
+
+
+def file_metadata(file_name):
+    """The ``__metadata__`` of a ``.safetensors`` file's header (``{}`` if it has none), or None
+    when the header cannot be read (mlx's loader then says why)."""
+    try:
+        with open(file_name, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error, TypeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    meta = header.get("__metadata__") or {}
+    return meta if isinstance(meta, dict) else None
+
+
+def is_kvcompress_file(file_name) -> bool:
+    """Whether a prompt-cache file holds a kvcompress layer (by its class names) or a digest."""
+    meta = file_metadata(file_name)
+    if not meta:
+        return False
+    return "0." + DIGEST_KEY in meta or any(
+        k.startswith("1.") and v in CACHE_CLASSES for k, v in meta.items())
+
+
+def original(fn):
+    """mlx-lm's own function behind a wrapper made here (the function itself if not wrapped)."""
+    return getattr(fn, _MARK, fn)
+
+
+def _load_wrapper(fn):
+    def load_prompt_cache(file_name, return_metadata=False):
+        if is_kvcompress_file(file_name):
+            from kvcompress.persistence import load_prompt_cache as load
+
+            return load(file_name, return_metadata=return_metadata)
+        return fn(file_name, return_metadata=return_metadata)
+
+    return load_prompt_cache
+
+
+def _save_wrapper(fn):
+    def save_prompt_cache(file_name, cache, metadata=None):
+        engine = sys.modules.get("kvcompress._engine")
+        if engine is not None and any(isinstance(c, engine._Engine) for c in cache):
+            from kvcompress.persistence import save_prompt_cache as save
+
+            return save(file_name, cache, metadata)
+        return fn(file_name, cache, metadata)
+
+    return save_prompt_cache
+
+
+def wrap_file_functions(module) -> None:
+    """Wrap ``module``'s ``load_prompt_cache`` / ``save_prompt_cache`` (idempotent)."""
+    for name, make in (("load_prompt_cache", _load_wrapper), ("save_prompt_cache", _save_wrapper)):
+        fn = module.__dict__.get(name)
+        if fn is None or hasattr(fn, _MARK):
+            continue
+        new = make(fn)
+        new.__doc__, new.__module__ = fn.__doc__, fn.__module__
+        setattr(new, _MARK, fn)
+        module.__dict__[name] = new
 
 
 class _Finder(MetaPathFinder):
@@ -34,12 +114,14 @@ class _Finder(MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            for cls_name in ("CompressedKVCache", "BatchCompressedKVCache"):
+            for cls_name in CACHE_CLASSES:
                 module.__dict__.setdefault(cls_name, _placeholder(cls_name))
+            wrap_file_functions(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-if _TARGET not in sys.modules and not any(isinstance(f, _Finder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _Finder())
+if __name__ == "kvcompress_autoload":  # run by the .pth file (not when imported as a module)
+    if _TARGET not in sys.modules and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -65,6 +65,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         # the model runs; scoring passes (_scoring_pass.py) and their whole-model cost
         self._wants_tokens = "tokens" in method.scorer.requires
         self._has_passes = "pass_tokens" in self._hooks["scorer"]
+        self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
+        self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)
         self._tokens = self._step_tokens = self._undo_tokens = None
         self._passes, self._pass_seconds = 0, 0.0
         self._rows_pass: list[int] = []  # scoring-pass tokens per row
@@ -178,6 +180,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store a step's post-RoPE ``keys``/``values`` ``[B, H, S, D]``; return all stored."""
         self._check_input(keys, values)
+        b, h, S, _ = keys.shape
+        tokens = self._refuse_step(b, S)  # a step that cannot be exact is refused: nothing changed yet
         proxied = self._pending is not None
         if proxied:
             self._unobserved_step()
@@ -188,8 +192,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         # every update, not only an empty cache's first: a cache loaded (or unpickled) in a fresh
         # process must find the wrapper installed too (a no-op once no new module was imported)
         _ensure_wrapped()
-        b, h, S, _ = keys.shape
-        tokens = self._take_tokens(b, S) if self._wants_tokens else None  # may refuse: nothing changed yet
         if not self._g:
             self._setup_groups(h)
         g = self._g
@@ -223,18 +225,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         if proxied:  # no attention wrapper to tie the proxy's scores to the output: tie them to the keys
             k = mx.depends([k], self.step_arrays())[0]
         return k, v
-
-    def _take_tokens(self, b: int, S: int):
-        """The step's token ids ``[B, S]`` the model hook handed over; without them the step is
-        refused before the cache changes (the scorer would silently score differently)."""
-        tok, self._tokens = self._tokens, None
-        if tok is not None and tuple(tok.shape) == (b, S):
-            return tok
-        raise KVCompressError(
-            f"scorer {type(self.method.scorer).__name__} needs the step's token ids, but the model was "
-            "called without kvcompress's model hook (e.g. a cache loaded in a fresh process): call "
-            "kvcompress.install(model) first (make_prompt_cache does it); the cache is unchanged"
-        )
 
     def keys_and_values(self):
         if self.keys.shape[2] == self._n:

@@ -117,6 +117,13 @@ class _AttendMixin:
     def _unobserved_step(self) -> None:
         """The model attended without mlx-lm's attention function: score with key-as-query."""
         global _proxy_warned
+        if self._query_steps:
+            raise KVCompressError(
+                f"layer {self.info.layer}: this cache scored with the model's real queries so far, but the "
+                "model's last step did not call mlx-lm's scaled_dot_product_attention with it, so it would "
+                "continue with the key-as-query proxy (a different eviction than the uninterrupted run): "
+                "call kvcompress.install(model) before using the cache with this model"
+            )
         if self._proxy_blocked():
             raise KVCompressError(
                 "this model did not call mlx-lm's scaled_dot_product_attention with its cache, so "

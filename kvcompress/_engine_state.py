@@ -34,6 +34,50 @@ class _StateMixin:
         return [max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
                 for n, v, bud in zip(self._rows_n, valid, self._rows_budget)]
 
+    def _refuse_step(self, b: int, S: int):
+        """Refuse, before anything changes, a step the cache could only take differently from an
+        uninterrupted run; returns the step's token ids for scorers that require them (else None).
+
+        * a forward that left some of the prompt's layers behind (a cache list with more layers
+          than the model runs: checked at the prompt's first layer);
+        * a scorer with scoring passes or token ids, called without the model hook that provides
+          them (e.g. a cache loaded in a fresh process and used with ``model(...)`` directly);
+        * a restored cache whose budget measures the prompt's layer input/output
+          (SqueezeAttention), about to see its prompt in a model that does not route them.
+        """
+        if self.group.first == self.info.layer:
+            self.group.check_aligned(self)
+        hooked, self._hooked = self._hooked, False
+        if self._has_passes and not self._wants_tokens and not hooked:
+            raise KVCompressError(self._unhooked("runs scoring passes before each model call"))
+        if self._restored and self.wants_layer_io() and self._io_input is None:
+            raise KVCompressError(
+                f"budget {type(self.method.budget).__name__} measures each layer's input and attention "
+                "output in the prompt's first forward, but this model does not route them to the cache "
+                "(e.g. a cache loaded in a fresh process): call kvcompress.install(model) before using it "
+                "(mlx_lm.generate and BatchGenerator do it themselves); the cache is unchanged"
+            )
+        if not self._wants_tokens:
+            return None
+        tok, self._tokens = self._tokens, None
+        if tok is not None and tuple(tok.shape) == (b, S):
+            return tok
+        if hooked or tok is not None:
+            raise KVCompressError(
+                f"scorer {type(self.method.scorer).__name__} needs the step's token ids, but the model was "
+                "called with input embeddings (or ids of another shape); call it with token ids; the cache "
+                "is unchanged"
+            )
+        raise KVCompressError(self._unhooked("needs the step's token ids"))
+
+    def _unhooked(self, what: str) -> str:
+        return (
+            f"scorer {type(self.method.scorer).__name__} {what}, but the model was called without "
+            "kvcompress's model hook (e.g. a cache loaded in a fresh process and used with model(...) "
+            "directly): call kvcompress.install(model) first (make_prompt_cache does it; mlx_lm.generate "
+            "and BatchGenerator do it themselves); the cache is unchanged"
+        )
+
     def _check_input(self, keys, values):
         if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
             raise TypeError("update_and_fetch expects mx.array keys and values")

@@ -175,5 +175,6 @@ def before_call(call: Callable[[mx.array, list], Any], cache_list, inputs) -> No
     if isinstance(inputs, mx.array) and inputs.ndim in (1, 2) and mx.issubdtype(inputs.dtype, mx.integer):
         tok = (inputs[None] if inputs.ndim == 1 else inputs).astype(mx.int32)
     for c in engines:
+        c._hooked = c._has_passes or c._wants_tokens
         if c._wants_tokens:
             c._tokens = tok

@@ -137,7 +137,7 @@ class BatchCompressedKVCache(_Engine):
         c._rows_n, c._rows_off = [self._rows_n[idx]], [self._rows_off[idx]]
         c._rows_budget, c._rows_evicted = [self._rows_budget[idx]], [self._rows_evicted[idx]]
         c._rounds, c._query_steps, c._proxy_steps = self._rounds, self._query_steps, self._proxy_steps
-        c._io_seen, c._g = self._io_seen, self._g
+        c._io_seen, c._g, c._restored = self._io_seen, self._g, self._restored
         c._rows_pass = [self._rows_pass[idx]]
         c._passes, c._pass_seconds = self._passes, self._pass_seconds
         for kind in _KINDS:
@@ -201,6 +201,7 @@ class BatchCompressedKVCache(_Engine):
         out._query_steps = sum(c._query_steps for c in caches)
         out._proxy_steps = sum(c._proxy_steps for c in caches)
         out._io_seen = all(c._io_seen for c in caches)
+        out._restored = any(c._restored for c in caches)
         out._g = max(c._g for c in caches)
         out._passes = max(c._passes for c in caches)  # each row's own count is in _rows_pass
         out._pass_seconds = sum(c._pass_seconds for c in caches)

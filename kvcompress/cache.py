@@ -131,4 +131,5 @@ def _rebuild(cls, state, registry=None, **extra):
     group = join(f"load:{m['group']}", info.layer, group_id=m["group"])
     _Engine.__init__(obj, method, int(m["budget"]), info=info, group=group, **extra)
     obj.state = state
+    obj._restored = True
     return obj

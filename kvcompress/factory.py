@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -11,11 +13,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from .cache import CompressedKVCache
 from .config import MethodConfig, load_config
 from .contexts import LayerInfo, ModelInfo
-from .errors import ConfigError
+from .errors import ConfigError, KVCompressError
 from .group import new_group
 from .method import Method, build_method
 from .mlxlm.attention import base_class, install, install_layer_io
-from .mlxlm.distributed import topology
+from .mlxlm.distributed import agree, topology, world
 from .registry import Registry
 
 __all__ = ["make_prompt_cache", "smallest_budget", "check_room_to_evict", "model_info", "default_cache", "attach",
@@ -166,7 +168,30 @@ def make_prompt_cache(
     budget={"name": "uniform", "budget": 64})``. Layers whose default cache is not a plain
     ``KVCache`` (sliding-window, SSM state) keep their default cache. Installs the
     query-observing attention wrapper (:func:`kvcompress.install`).
+
+    Under ``mlx.distributed`` the ranks agree the build with one small collective
+    (:func:`kvcompress.mlxlm.distributed.agree`): a rank that refuses its part, or ranks that
+    built different methods, parameters or budgets, raise the same ConfigError on every rank.
     """
+    if world() is None:
+        return _build(model, method, config, registry, params)[0]
+    failure = None
+    try:
+        caches, summary, digest = _build(model, method, config, registry, params)
+    except Exception as exc:  # every rank must reach the agreement, whatever this one hit
+        failure, caches, summary, digest = exc, None, "", ""
+    error = None if failure is None else str(failure) if isinstance(failure, KVCompressError) else (
+        f"{type(failure).__name__}: {failure}")
+    try:
+        agree(summary, digest, error)  # raises on every rank if one refused
+    except ConfigError as agreed:
+        raise agreed from failure
+    return caches
+
+
+def _build(model, method, config, registry, params: dict) -> tuple:
+    """``(caches, summary, digest)``: :func:`make_prompt_cache`'s caches, and what the ranks of
+    a distributed run must agree on."""
     method = _method_or_config(method, config)
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **params)
     if isinstance(method, Method) and params:
@@ -215,7 +240,12 @@ def make_prompt_cache(
     for kind, hooks in m.hooks().items():
         if "bind" in hooks:
             hooks["bind"](model, compressed)
-    return caches
+    what = {"config": m.config.to_dict(), "budgets": [int(b) for b in budgets], "layers": n_total,
+            "kv_heads": info.n_kv_heads, "tp": topo.tp_size, "pp": topo.pp_size}
+    digest = hashlib.blake2b(json.dumps(what, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+    sizes = sorted(set(int(b) for b in budgets))
+    span = f"budget {sizes[0]}" if len(sizes) == 1 else f"budgets {sizes[0]}..{sizes[-1]}"
+    return caches, f"{m.describe()}; {span} over {n_total} layers", digest
 
 
 class KVCacheConfig:

@@ -228,13 +228,41 @@ def _read_saved_cache(path: str) -> list:
 def _attach_saved_cache(cache: list, model, path: str) -> list:
     from . import install
     from .errors import ConfigError
+    from .mlxlm.fit import CacheMismatch, check_fit
 
-    if len(cache) != len(model.layers):
+    if len(cache) != len(model.layers):  # (also a file without kvcompress layers)
         raise ConfigError(
             f"--prompt-cache-file {path!r} holds {len(cache)} layers; the model has {len(model.layers)}"
         )
+    error = None
+    try:
+        check_fit(model, cache, where=f"--prompt-cache-file {path!r}")
+    except CacheMismatch as exc:
+        error = str(exc)
+    _agree_saved(cache, error)  # under mlx.launch: every rank's file continues the same run
+    if error is not None:
+        raise ConfigError(error)
     install(model)
     return cache
+
+
+def _agree_saved(cache: list, error) -> None:
+    """Under ``mlx.distributed``, one collective: the ranks' files hold the same method and the
+    same tokens seen, or every rank raises the same ConfigError (a rank whose file is another run's
+    would hang in a step's collective or generate differently)."""
+    import hashlib
+
+    from .cache import CompressedKVCache
+    from .mlxlm.distributed import agree, world
+
+    if world() is None:
+        return
+    first = next((c for c in cache if isinstance(c, CompressedKVCache)), None)
+    what = {} if first is None else {"config": first.method.config.to_dict(), "layers": first.info.n_layers,
+                                     "seen": first.offset, "tp": first.info.tp_size, "pp": first.info.pp_size}
+    digest = hashlib.blake2b(json.dumps(what, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+    summary = "no compressed layer" if first is None else f"{first.method.describe()}; {first.offset} tokens seen"
+    agree(summary, digest, error, action="loaded")
 
 
 def _has_chat_template(tokenizer) -> bool:

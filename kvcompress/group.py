@@ -29,11 +29,29 @@ class PromptGroup:
     scratch: dict = attrs.field(factory=dict, repr=False)  # per-step cross-layer data, never saved
     #: every layer observed the prompt, and the ranks of a pipeline still have to agree budgets
     rebudget_pending: bool = False
+    #: the lowest member layer: the first a forward updates (where :meth:`check_aligned` runs)
+    first: Optional[int] = None
 
     def add(self, layer: int, cache) -> None:
         """Register ``cache`` as the group's ``layer``; the group holds it weakly (the caches hold
         the group), so dropping a prompt's caches frees them without a garbage-collector pass."""
         self.members[layer] = weakref.ref(cache)
+        self.first = layer if self.first is None else min(self.first, layer)
+
+    def check_aligned(self, cache) -> None:
+        """At the start of a forward (``cache`` is the first layer): every member has seen the same
+        tokens. A member left behind by the last forward means the model runs fewer layers than
+        the cache list holds (mlx-lm models ``zip`` them): refused before this step changes anything."""
+        behind = [c for c in self.caches() if c is not cache and c._rows_off != cache._rows_off]
+        if behind:
+            from .errors import KVCompressError
+
+            raise KVCompressError(
+                f"the model's last forward updated compressed layer {cache.info.layer} (tokens seen "
+                f"{cache._rows_off}) but not layer(s) {[c.info.layer for c in behind]} (tokens seen "
+                f"{behind[0]._rows_off}): the cache list holds more layers than the model runs; use it "
+                "with the model it was made for (kvcompress.install(model) checks a list before each call)"
+            )
 
     def caches(self) -> list:
         """Member caches ordered by layer."""
@@ -98,6 +116,7 @@ class PromptGroup:
 
     def __setstate__(self, state):
         self.id, self.members, self.scratch = state["id"], {}, {}
+        self.rebudget_pending, self.first = False, None
 
 
 _LOCK = threading.Lock()

@@ -2,14 +2,24 @@
 
 Files are written and read by mlx-lm's own ``save_prompt_cache`` / ``load_prompt_cache`` (the
 kvcompress classes are registered with mlx-lm, so its loader reads them too). kvcompress adds a
-digest of every array and string the caches hold to the file's metadata; :func:`load_prompt_cache`
-checks it, so a file damaged anywhere -- header or tensor data -- is reported, never loaded.
+digest to the file's metadata covering every layer's class and state (arrays, strings, scalars)
+and the user metadata (``model``, chat template, notes, ...); :func:`load_prompt_cache` checks it,
+so a file damaged anywhere -- header, metadata or tensor data -- is reported, never loaded. The
+digest is mandatory for a file holding kvcompress layers (a plain mlx-lm file has none and loads
+as mlx-lm's loader reads it). mlx-lm's own two functions are wrapped to do the same
+(:mod:`kvcompress.mlxlm.loader`). Files written before the digest covered the metadata (a bare
+hex digest, layers only) still load, with their layers checked.
+
+Given ``model=``, :func:`load_prompt_cache` also refuses a cache list made for another model
+(:func:`kvcompress.mlxlm.fit.check_fit`) and installs the model hook, as
+:func:`kvcompress.make_prompt_cache` does.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -17,42 +27,70 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as _mlx_cache
 
+from ._autoload import DIGEST_KEY, is_kvcompress_file, original
 from .errors import KVCompressError
 
 __all__ = ["save_prompt_cache", "load_prompt_cache", "CorruptCacheFile"]
 
-DIGEST_KEY = "kvcompress_digest"
 #: the registry ``from_state`` builds methods from during a :func:`load_prompt_cache` call
 LOAD_REGISTRY: contextvars.ContextVar = contextvars.ContextVar("kvcompress_load_registry", default=None)
+#: the digest format written now: ``"<_FORMAT>:<hex>"`` (a bare hex digest: the layers only)
+_FORMAT = "v2"
 
 
 class CorruptCacheFile(KVCompressError):
     """A prompt-cache file that cannot be read back exactly."""
 
 
-def _digest(cache: list) -> str:
+def _update(h, x) -> None:
+    if x is None:
+        h.update(b"none")
+        return
+    if isinstance(x, str):
+        h.update(b"str:" + x.encode())
+        return
+    if not isinstance(x, mx.array):  # an int / float / bool: hashed as mlx-lm stores it
+        x = mx.array(x)
+    a = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+    h.update(f"{x.dtype}{x.shape}".encode())
+    h.update(np.ascontiguousarray(np.array(a)).tobytes())
+
+
+def _digest_layers(cache: list) -> str:
+    """The digest of files written before the metadata was covered (arrays and strings only)."""
     h = hashlib.blake2b(digest_size=16)
     for _, x in tree_flatten([c.state for c in cache]):
         if isinstance(x, mx.array):
-            a = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
-            h.update(f"{x.dtype}{x.shape}".encode())
-            h.update(np.ascontiguousarray(np.array(a)).tobytes())
+            _update(h, x)
         elif isinstance(x, str):
             h.update(x.encode())
     return h.hexdigest()
 
 
+def _digest(cache: list, metadata: dict) -> str:
+    """``v2:<hex>``: every layer's class and state entries (with their place in the state tree),
+    the number of layers, and the user metadata as mlx-lm stores it (flattened keys)."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvcompress-v2")
+    h.update(json.dumps([type(c).__name__ for c in cache]).encode())
+    for key, x in tree_flatten([c.state for c in cache]):
+        h.update(f"|{key}=".encode())
+        _update(h, x)
+    meta = {k: v for k, v in tree_flatten(metadata) if k != DIGEST_KEY}
+    h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
+    return f"{_FORMAT}:{h.hexdigest()}"
+
+
 def save_prompt_cache(file_name: str, cache: list, metadata: Optional[dict] = None) -> None:
     """Write ``cache`` (any mix of mlx-lm and kvcompress layers) to a ``.safetensors`` file."""
     meta = dict(metadata or {})
-    meta[DIGEST_KEY] = _digest(cache)
-    _mlx_cache.save_prompt_cache(file_name, cache, meta)
+    meta.pop(DIGEST_KEY, None)
+    meta[DIGEST_KEY] = _digest(cache, meta)
+    original(_mlx_cache.save_prompt_cache)(file_name, cache, meta)
 
 
 def _header(file_name: str) -> Optional[dict]:
     """The JSON header of a ``.safetensors`` file (tensor names -> entries, ``__metadata__``), or
     None when it cannot be read (mlx's loader then says why)."""
-    import json
     import struct
 
     try:
@@ -94,16 +132,21 @@ def _check_complete(file_name: str) -> None:
             raise CorruptCacheFile(f"{file_name}: the file is damaged or incomplete: missing {what}")
 
 
-def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=None) -> Any:
+def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=None, model=None) -> Any:
     """Read a cache written by :func:`save_prompt_cache` (or mlx-lm's), checking its digest.
 
     Compressed layers rebuild their method from ``registry`` (default: the process-wide one).
-    Raises :class:`CorruptCacheFile` naming the file if it cannot be read back exactly.
+    Raises :class:`CorruptCacheFile` naming the file if it cannot be read back exactly (a file
+    with kvcompress layers must carry a valid digest). Given ``model``, a cache list made for
+    another model raises :class:`~kvcompress.mlxlm.fit.CacheMismatch` and the model gets the
+    hook :func:`kvcompress.install` gives it (mlx-lm's ``generate`` installs it itself).
     """
-    _check_complete(str(file_name))
+    file_name = str(file_name)
+    _check_complete(file_name)
+    kvc_file = is_kvcompress_file(file_name)
     token = LOAD_REGISTRY.set(registry)
     try:
-        cache, meta = _mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)
+        cache, meta = original(_mlx_cache.load_prompt_cache)(file_name, return_metadata=True)
     except KVCompressError:
         raise
     except FileNotFoundError:
@@ -115,7 +158,41 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=No
     finally:
         LOAD_REGISTRY.reset(token)
     meta = dict(meta)
-    want = meta.pop(DIGEST_KEY, None)
-    if want is not None and _digest(cache) != want:
-        raise CorruptCacheFile(f"{file_name}: the cache data does not match its digest; the file is damaged")
+    _check_digest(file_name, cache, meta, kvc_file)
+    meta.pop(DIGEST_KEY, None)
+    if model is not None:
+        from .mlxlm.attention import install
+        from .mlxlm.fit import check_fit
+
+        check_fit(model, cache, where=f"{file_name}")
+        install(model)
     return (cache, meta) if return_metadata else cache
+
+
+def _check_digest(file_name: str, cache: list, meta: dict, kvc_file: bool) -> None:
+    from ._engine import _Engine
+
+    want = meta.get(DIGEST_KEY)
+    if want is None:
+        if kvc_file or any(isinstance(c, _Engine) for c in cache):
+            raise CorruptCacheFile(
+                f"{file_name}: the file holds kvcompress layers but no kvcompress digest (its header is "
+                "damaged, or it was not written by kvcompress.save_prompt_cache); it cannot be checked, "
+                "so it is not loaded"
+            )
+        return  # a plain mlx-lm file
+    if not isinstance(want, str):
+        raise CorruptCacheFile(f"{file_name}: the kvcompress digest entry is damaged")
+    fmt, sep, _ = want.partition(":")
+    if sep and fmt == _FORMAT:
+        got = _digest(cache, meta)
+    elif not sep and len(want) == 32:  # written before the digest covered the metadata
+        got = _digest_layers(cache)
+    else:
+        raise CorruptCacheFile(
+            f"{file_name}: unknown kvcompress digest format {fmt!r} (this version writes {_FORMAT!r}); "
+            "the file is damaged or was written by a newer kvcompress"
+        )
+    if got != want:
+        raise CorruptCacheFile(f"{file_name}: the cache data or metadata does not match its digest; "
+                               "the file is damaged")

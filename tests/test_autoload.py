@@ -76,3 +76,33 @@ def test_mlx_lm_generate_cli_continues_a_kvcompress_file(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Generation: 10 tokens" in r.stdout
+
+
+def test_mlx_lm_loader_checks_the_digest_in_a_fresh_process(tmp_path):
+    """Bug: mlx-lm's own loader (``--prompt-cache-file``, ``load_prompt_cache``) read a kvcompress
+    file without checking its digest, so a damaged file loaded silently. The start-up hook wraps
+    it: in a process that never imports kvcompress itself, a file whose metadata lost one bit is
+    refused, and the intact file loads with its metadata."""
+    path = tmp_path / "c.safetensors"
+    r = _run(f"""
+        from conftest import tiny_llama
+        import kvcompress, mlx.core as mx
+        m = tiny_llama()
+        c = kvcompress.make_prompt_cache(m, "h2o", budget=16)
+        m(mx.arange(1, 30).reshape(1, -1), cache=c)
+        kvcompress.save_prompt_cache({str(path)!r}, c, {{"model": "the-model"}})
+    """)
+    assert r.returncode == 0, r.stderr
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(path.read_bytes().replace(b"the-model", b"the-modem"))
+    r = _run(f"""
+        from mlx_lm.models.cache import load_prompt_cache
+        c, meta = load_prompt_cache({str(path)!r}, return_metadata=True)
+        print(type(c[0]).__name__, meta)
+        try:
+            load_prompt_cache({str(bad)!r})
+        except Exception as exc:
+            print(type(exc).__name__, "digest" in str(exc))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["CompressedKVCache {'model': 'the-model'}", "CorruptCacheFile True"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,3 +172,51 @@ def test_ranks_equal_the_single_process_run(runs, mode, method):
     assert layers_seen == set(ref["layers"])  # between them the ranks hold every compressed layer
     if mode == "pp":
         assert not set(ranks[0]["methods"][method]["layers"]) & set(ranks[1]["methods"][method]["layers"])
+
+
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory):
+    """Every rank's result of the agreement cases: llama (tensor parallel) with ranks building
+    different methods or budgets, qwen2 (pipeline) with a refusal only rank 0 sees, and a llama
+    whose 3 KV heads do not split over 2 ranks; each launch ends with a case every rank agrees on."""
+    root = tmp_path_factory.mktemp("agree")
+    from mlx_lm.models import llama, qwen2
+
+    mx.random.seed(0)
+    common = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=8,
+                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=72, rope_theta=10000.0,
+                  tie_word_embeddings=True)
+    a = llama.ModelArgs(model_type="llama", **common)
+    tp = _write(llama.Model(a), a, root / "llama")
+    a = qwen2.ModelArgs(model_type="qwen2", **common)
+    pp = _write(qwen2.Model(a), a, root / "qwen2")
+    a = llama.ModelArgs(model_type="llama", **{**common, "hidden_size": 48, "num_attention_heads": 6,
+                                               "num_key_value_heads": 3})
+    odd = _write(llama.Model(a), a, root / "llama3")
+    return {
+        "tp": _launch(tp, "tp-agree", root / "out-tp", ["methods", "budgets", "agreed"]),
+        "pp": _launch(pp, "pp-agree", root / "out-pp", ["reuse", "agreed"]),
+        "odd": _launch(odd, "tp-agree", root / "out-odd", ["agreed"]),
+    }
+
+
+@pytest.mark.parametrize("run,case,expect", [
+    ("tp", "methods", r"the 2 ranks built different caches \(rank 0: h2o: .*rank 1: tova: "),
+    ("tp", "budgets", r"the 2 ranks built different caches \(rank 0: .*budget 40 over 4 layers; rank 1: .*budget 41"),
+    ("pp", "reuse", r"rank 0 of 2 refused the cache: chunk reuse_layers=3: layer 2 reuses layer 0's choice"),
+    ("odd", "agreed", r"the model's 3 KV heads do not divide by the 2 ranks"),
+])
+def test_ranks_that_disagree_raise_the_same_config_error_on_every_rank(agreement, run, case, expect):
+    """Bug: ranks built with different methods or budgets hung in the per-step collective (or
+    kept different tokens silently), a build refusal only one rank saw (chunkkv reuse_layers across
+    pipeline ranks) killed the other rank with a ring error, and KV heads that do not divide by
+    the ranks failed with mlx's shape error at the first step. The ranks now agree the build in
+    one collective and raise the same ConfigError on every rank; afterwards they still agree on
+    the next build and generate the same tokens."""
+    ranks = agreement[run]
+    errors = [r["methods"][case].get("error", "") for r in ranks]
+    assert errors[0] == errors[1] and errors[0].startswith("ConfigError: "), errors
+    assert re.search(expect, errors[0]), errors[0]
+    if run != "odd":
+        agreed = [r["methods"]["agreed"] for r in ranks]
+        assert "error" not in agreed[0] and agreed[0] == agreed[1]

@@ -163,9 +163,8 @@ def test_damaged_cache_files_raise_corrupt_cache_file(model, tmp_path):
     flips["data_offsets"] = 8 + m.start(1)
     m = re.search(r"CompressedKVCache", header)  # a layer's class name
     flips["class name"] = 8 + m.start() + 3
-    m = re.search(r'kvcompress_digest":"([0-9a-f])', header)  # the digest itself
-    if m:
-        flips["digest"] = 8 + m.start(1)
+    m = re.search(r'kvcompress_digest":"v2:([0-9a-f])', header)  # the digest itself
+    flips["digest"] = 8 + m.start(1)
     flips["first tensor byte"] = 8 + n
     flips["middle tensor byte"] = 8 + n + (len(data) - 8 - n) // 2
     flips["last byte"] = len(data) - 1
@@ -195,3 +194,111 @@ def test_mlx_lm_loader_reads_kvcompress_files(model, tmp_path):
     assert a_toks == b_toks
     for x, y in zip(a_logits, b_logits):
         np.testing.assert_array_equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------
+# The digest is mandatory, covers the metadata, and mlx-lm's own functions check / write it
+# ------------------------------------------------------------------------------------------
+
+META = {"model": "tiny-model", "chat_template": "{{ messages }}", "notes": "saved by a test"}
+
+
+def _flipped(path: Path, tmp_path: Path, old: bytes, new: bytes) -> Path:
+    data = path.read_bytes()
+    assert data.count(old) >= 1, old
+    out = tmp_path / f"flip-{len(list(tmp_path.iterdir()))}.safetensors"
+    out.write_bytes(data.replace(old, new, 1))
+    return out
+
+
+def _loaders():
+    return [("kvcompress", kvcompress.load_prompt_cache), ("mlx-lm", mlx_cache.load_prompt_cache)]
+
+
+@pytest.mark.parametrize("what,old,new", [
+    ("the digest's key name", b"kvcompress_digest", b"kvcompress_digesu"),
+    ("the model name", b"tiny-model", b"tiny-modem"),
+    ("the chat template", b"{{ messages }}", b"{{ messagfs }}"),
+    ("a note", b"saved by a test", b"saved by a tesu"),
+    ("the digest format", b'"v2:', b'"v3:'),
+])
+def test_a_file_whose_digest_or_metadata_is_damaged_is_refused_by_both_loaders(model, tmp_path, what, old, new):
+    """Bug: the digest was optional (a file whose digest key lost one bit loaded unchecked) and did
+    not cover the user metadata (``model``, chat template, notes), and mlx-lm's own loader never
+    checked it. A kvcompress file now needs a valid digest over every layer and the metadata,
+    through either loader."""
+    caches = caches_for(model, "cam", 12)
+    model(mx.array([prompt_tokens(30)]), cache=caches)
+    path = tmp_path / "good.safetensors"
+    kvcompress.save_prompt_cache(str(path), caches, META)
+    for name, load in _loaders():
+        got, meta = load(str(path), return_metadata=True)
+        assert meta == META and len(got) == 2, name
+    bad = _flipped(path, tmp_path, old, new)
+    for name, load in _loaders():
+        with pytest.raises(kvcompress.CorruptCacheFile, match=re.escape(str(bad))):
+            load(str(bad))
+
+
+def test_every_single_bit_flip_in_the_file_header_is_refused(model, tmp_path):
+    """Bug: 4 of 760 single-bit flips of a cache file loaded (a flipped digest key dropped the
+    check, a flipped metadata byte was not covered). Each byte of the header (JSON: tensor table,
+    classes, scalars, metadata, digest) flipped in one bit (the bit cycling over the bytes) is now
+    refused by both loaders: CorruptCacheFile from kvcompress's; mlx-lm's raises that too, or its
+    own error for a header it cannot parse as a prompt-cache file at all."""
+    caches = caches_for(model, "h2o", 12)
+    model(mx.array([prompt_tokens(20)]), cache=caches)
+    path = tmp_path / "good.safetensors"
+    kvcompress.save_prompt_cache(str(path), caches, {"model": "m"})
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    loaded_anyway = []
+    for i in range(8, 8 + n):
+        bad = bytearray(data)
+        bad[i] ^= 1 << (i % 8)
+        target = tmp_path / "bad.safetensors"
+        target.write_bytes(bytes(bad))
+        for name, load in _loaders():
+            try:
+                load(str(target))
+            except kvcompress.CorruptCacheFile:
+                continue
+            except Exception:  # mlx-lm's own loader on an unparsable header
+                if name == "mlx-lm":
+                    continue
+            loaded_anyway.append((i, chr(data[i]), name))
+    assert not loaded_anyway
+
+
+def test_files_mlx_lm_writes_old_digests_and_plain_files_still_load(model, tmp_path):
+    """Compatibility: mlx-lm's own ``save_prompt_cache`` given kvcompress caches now writes the
+    digest (so its files load under the mandatory check), files written before the digest covered
+    the metadata (a bare hex digest over the layers) load with their layers checked, and plain
+    mlx-lm files (no kvcompress layer, no digest) load as before."""
+    from kvcompress import persistence
+
+    caches = caches_for(model, "h2o", 12)
+    model(mx.array([prompt_tokens(20)]), cache=caches)
+    via_mlx = tmp_path / "via-mlx.safetensors"
+    mlx_cache.save_prompt_cache(str(via_mlx), caches, {"model": "m"})
+    got, meta = kvcompress.load_prompt_cache(str(via_mlx), return_metadata=True)
+    assert meta == {"model": "m"} and [c.offset for c in got] == [c.offset for c in caches]
+
+    old = tmp_path / "old.safetensors"
+    persistence.original(mlx_cache.save_prompt_cache)(
+        str(old), caches, {"model": "m", persistence.DIGEST_KEY: persistence._digest_layers(caches)})
+    assert [c.offset for c in kvcompress.load_prompt_cache(str(old))] == [c.offset for c in caches]
+    data = bytearray(old.read_bytes())
+    data[-1] ^= 1  # the last tensor byte
+    damaged = tmp_path / "old-damaged.safetensors"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(kvcompress.CorruptCacheFile, match="does not match its digest"):
+        kvcompress.load_prompt_cache(str(damaged))
+
+    plain = tmp_path / "plain.safetensors"
+    ref = mlx_cache.make_prompt_cache(model)
+    model(mx.array([prompt_tokens(20)]), cache=ref)
+    mlx_cache.save_prompt_cache(str(plain), ref, {"model": "m"})
+    for name, load in _loaders():
+        got, meta = load(str(plain), return_metadata=True)
+        assert meta == {"model": "m"} and [type(c).__name__ for c in got] == ["KVCache", "KVCache"], name

@@ -69,16 +69,29 @@ def _patch(mod) -> bool:
 
 
 def ensure_wrapped() -> None:
-    """Wrap mlx-lm's attention function in ``mlx_lm.models.base`` and every loaded model module."""
+    """Wrap mlx-lm's attention function in ``mlx_lm.models.base``, every loaded mlx-lm model module
+    and every other module that imported mlx-lm's function (a model defined outside mlx-lm), and
+    mlx-lm's generation entry points (:mod:`kvcompress.mlxlm.entry_points`)."""
     global _scanned
     if len(sys.modules) == _scanned:
         return
     with _LOCK:
-        import mlx_lm.models.base  # noqa: F401
+        import mlx_lm.models.base as base
 
+        _patch(base)
+        original = getattr(base.scaled_dot_product_attention, _MARK)
         for name, mod in list(sys.modules.items()):
-            if mod is not None and name.startswith("mlx_lm.models."):
+            if mod is None:
+                continue
+            try:
+                held = name.startswith("mlx_lm.models.") or vars(mod).get("scaled_dot_product_attention") is original
+            except TypeError:  # an object without a __dict__ in sys.modules
+                continue
+            if held:
                 _patch(mod)
+        from .entry_points import wrap
+
+        wrap()
         _scanned = len(sys.modules)
 
 
@@ -95,8 +108,10 @@ def install(model: nn.Module) -> list:
     single-sequence caches fall back to a key-as-query proxy, reported by ``score_source``).
 
     Also gives ``model`` the model hook (:func:`install_model_hook`): a stateless subclass whose
-    call hands the input token ids to caches whose scorer requires ``"tokens"`` and first runs
-    the scoring passes their scorer asks for (:mod:`kvcompress._scoring_pass`)."""
+    call checks that a kvcompress cache list fits the model, hands the input token ids to caches
+    whose scorer requires ``"tokens"`` and first runs the scoring passes their scorer asks for
+    (:mod:`kvcompress._scoring_pass`). mlx-lm's ``generate_step`` and ``BatchGenerator`` install
+    it themselves when given kvcompress caches (:mod:`kvcompress.mlxlm.entry_points`)."""
     ensure_wrapped()
     install_model_hook(model)
     return sorted(n for n in _modules_of(model) if _patch(sys.modules[n]))
@@ -164,7 +179,9 @@ def _model_call(base, model, args, kwargs):
     cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
     if isinstance(cache, (list, tuple)) and cache:
         from .._scoring_pass import before_call
+        from .fit import prepare_call
 
+        prepare_call(model, cache)  # a list made for another model is refused before anything changes
         inputs = args[0] if args else kwargs.get("inputs")
         before_call(lambda ids, views: base.__call__(model, ids, cache=views), cache, inputs)
     return base.__call__(model, *args, **kwargs)
@@ -176,9 +193,11 @@ def base_class(obj) -> type:
 
 
 def install_model_hook(model: nn.Module) -> None:
-    """Give ``model`` a stateless subclass whose ``__call__(inputs, cache=...)`` hands
-    ``inputs`` to the kvcompress caches whose scorer requires ``"tokens"`` and runs their
-    scorer's scoring passes first (idempotent; nothing else changes)."""
+    """Give ``model`` a stateless subclass whose ``__call__(inputs, cache=...)``, for a cache
+    list holding kvcompress caches, first checks that the list fits the model
+    (:func:`kvcompress.mlxlm.fit.check_fit`), routes layer input/output to caches whose budget
+    needs it, runs the scorer's scoring passes and hands ``inputs`` to the caches whose scorer
+    requires ``"tokens"`` (idempotent; a call with other caches is the model's own)."""
     if not callable(getattr(type(model), "__call__", None)):
         return
     model.__class__ = _subclass(base_class(model), _model_call)
