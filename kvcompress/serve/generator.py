@@ -47,6 +47,19 @@ def vocab_size(model, tokenizer) -> int:
     return len(tokenizer._tokenizer)
 
 
+def _wait_exited(thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Return once the OS thread behind ``thread`` (already joined) is gone, or after ``timeout_s``."""
+    import os
+
+    task = f"/proc/self/task/{thread.native_id}"
+    if thread.native_id is None or not os.path.isdir("/proc/self/task"):
+        time.sleep(0.25)
+        return
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class Job:
     """One generation: what the generation thread ``put`` s (the context, prompt progress
     ``(done, total)``, each :class:`~mlx_lm.server.Response`, then ``None`` or an exception),
@@ -143,6 +156,16 @@ class SupervisedGenerator(ResponseGenerator):
                     return
                 self.restarts += 1
                 log.warning("kvcompress serve: generation loop restarted (%d so far)", self.restarts)
+
+    def join(self):
+        """Wait until the generation thread has ended, its thread-local destructors included:
+        MLX's per-thread compile cache releases Python objects when the thread exits, and if
+        the interpreter were finalizing by then the process would abort ("terminate called
+        without an active exception", status -6 instead of 0). Python's ``join`` returns
+        before those destructors run, so on Linux this waits for the thread to leave
+        ``/proc/self/task`` (elsewhere: a short pause)."""
+        super().join()
+        _wait_exited(self._generation_thread)
 
     def _fail_in_flight(self, error: ServeError) -> None:
         with self._jobs_lock:
