@@ -144,12 +144,10 @@ class CacheDir:
         """Room for a file of about ``estimate`` bytes is made (least recently used files leave),
         then a temporary path is yielded for the caller to write; on a normal exit the file is
         renamed to ``name`` (room made again for its exact size), on an error it is removed.
-        ValueError when the file would not fit in ``max_bytes`` at all."""
-        if estimate > self.max_bytes:
-            raise ValueError(f"a cache file of ~{format_size(estimate)} exceeds the folder's limit "
-                             f"({format_size(self.max_bytes)})")
+        ValueError when the file does not fit in ``max_bytes`` at all (nothing was evicted for it
+        when the estimate already said so)."""
         with self._locked():
-            self._evict(estimate, replacing=name)
+            self._evict(estimate if estimate <= self.max_bytes else 0, replacing=name)
         tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}{SUFFIX}"
         try:
             yield tmp

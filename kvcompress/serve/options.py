@@ -120,7 +120,8 @@ def check_server_args(cli_args) -> None:
             raise KVCompressError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
     if getattr(cli_args, "prompt_cache_bytes", None) is not None and cli_args.prompt_cache_bytes < 0:
         raise KVCompressError(f"--prompt-cache-bytes must be >= 0, got {cli_args.prompt_cache_bytes}")
-    if getattr(cli_args, "prompt_cache_dir_bytes", None) is not None and not getattr(cli_args, "prompt_cache_dir", None):
+    given_bytes = getattr(cli_args, "prompt_cache_dir_bytes", None) is not None
+    if given_bytes and not getattr(cli_args, "prompt_cache_dir", None):
         raise KVCompressError("--prompt-cache-dir-bytes limits the folder of --prompt-cache-dir; give that folder too")
     host, port = getattr(cli_args, "host", "127.0.0.1"), getattr(cli_args, "port", 8080)
     if not 1 <= port <= 65535:
