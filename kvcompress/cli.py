@@ -20,6 +20,7 @@ BENCH_WORKLOADS = {
     "speed": "kvcompress.bench.speed",
     "scaling": "kvcompress.bench.scaling",
     "serve": "kvcompress.bench.serve",
+    "restart": "kvcompress.bench.restart",
     "distributed": "kvcompress.bench.distributed",
 }
 DEFAULT_WORKLOAD = "retrieval"

@@ -42,7 +42,7 @@ def _no_run(monkeypatch, module: str):
 # Output folders and file stems: checked before any work
 # ------------------------------------------------------------------------------------------
 
-BENCH = ["retrieval", "synthetic", "perplexity", "speed", "scaling", "serve", "distributed"]
+BENCH = ["retrieval", "synthetic", "perplexity", "speed", "scaling", "serve", "restart", "distributed"]
 
 
 @pytest.mark.parametrize("workload", BENCH)
@@ -106,7 +106,8 @@ def test_tune_empty_methods_says_none_was_named(capsys):
         check_args(args)
 
 
-@pytest.mark.parametrize("command", [*(["bench", w] for w in BENCH if w != "serve"), ["tune", "--budget", "8"]])
+@pytest.mark.parametrize("command", [*(["bench", w] for w in BENCH if w not in ("serve", "restart")),
+                                     ["tune", "--budget", "8"]])
 def test_methods_take_commas_or_spaces_and_refuse_nothing(command, capsys):
     """Bug: ``bench synthetic/speed --methods h2o,cam`` failed (they took spaces only) while the
     other workloads took commas only; ``bench retrieval --methods ""`` ran every method."""

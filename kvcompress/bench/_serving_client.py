@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional, Sequence
 
-__all__ = ["stream_completion", "complete", "load_round", "percentile"]
+__all__ = ["stream_completion", "stream_chat", "complete", "load_round", "percentile"]
 
 _BAN = -1e9
 
@@ -62,6 +62,38 @@ def stream_completion(url: str, prompt: str, max_tokens: int, ban: Sequence[int]
     if usage is None or ttft is None:
         raise RuntimeError(f"{url}: the stream ended without tokens or usage")
     return {"ttft_s": ttft, "total_s": total, **usage, "text": text}
+
+
+def stream_chat(url: str, messages: list, max_tokens: int, timeout_s: float) -> dict:
+    """One streamed greedy ``/v1/chat/completions`` request: ``ttft_s`` (request sent to the
+    first content chunk), ``total_s``, the usage counts and the answer's text."""
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                if time.perf_counter() - t0 > timeout_s:
+                    raise TimeoutError(f"request to {url} ran past {timeout_s:.0f} s")
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if msg.get("usage"):
+                    usage = _usage(msg["usage"])
+                for choice in msg.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:200]!r}") from None
+    if usage is None:
+        raise RuntimeError(f"{url}: the stream ended without usage")
+    total = time.perf_counter() - t0
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, **usage, "text": text}
 
 
 def complete(url: str, prompt: str, max_tokens: int, ban: Sequence[int], timeout_s: float) -> dict:

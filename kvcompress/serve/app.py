@@ -47,6 +47,7 @@ class AppState:
     admission: Admission
     fingerprint: str = ""
     started: float = attrs.Factory(time.time)
+    disk_cache: Any = None  # the PersistentPromptCache with --prompt-cache-dir
 
 
 def list_models(cli, created: int) -> list[dict]:
@@ -107,6 +108,8 @@ async def health(request: Request) -> Response:
             "generations_held": state.admission.held, "capacity": state.admission.capacity,
             "refused": state.admission.refused, "restarts": gen.restarts,
             "prompt_cache": {"entries": len(gen.prompt_cache) if hasattr(gen, "prompt_cache") else 0}}
+    if state.disk_cache is not None:
+        body["prompt_cache"]["dir"] = state.disk_cache.disk_stats()
     if not ok:
         body["reason"] = gen.last_error or "the generation loop is not running"
     return JSONResponse(body, status_code=200 if ok else 503, headers={} if ok else {"Retry-After": "5"})

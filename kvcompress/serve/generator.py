@@ -17,6 +17,9 @@ the prompt cache, chat templates, tool-call and reasoning parsing) with four cha
   ``window_s`` seconds; past that (or at once under ``mlx.distributed``, where ranks would part)
   the server is told to exit non-zero (``on_fatal``) so that a supervisor restarts the process.
 * token-id prompts (``/v1/completions`` with a list of ints) skip the tokenizer.
+* **idle work**: ``on_idle(busy)`` runs on the generation thread whenever nothing is generating
+  and no request waits (``busy()`` turns true as soon as one arrives), and ``on_exit()`` once when
+  the loop ends -- where a persistent prompt cache writes its files.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def vocab_size(model, tokenizer) -> int:
         if isinstance(n, int) and n > 0:
             return n
     return len(tokenizer._tokenizer)
+
+
+def _wait_exited(thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Return once the OS thread behind ``thread`` (already joined) is gone, or after ``timeout_s``."""
+    import os
+
+    task = f"/proc/self/task/{thread.native_id}"
+    if thread.native_id is None or not os.path.isdir("/proc/self/task"):
+        time.sleep(0.25)
+        return
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 class Job:
@@ -110,8 +126,11 @@ class SupervisedGenerator(ResponseGenerator):
     """mlx-lm's ResponseGenerator with jobs, per-request errors and a supervised loop."""
 
     def __init__(self, model_provider, prompt_cache, *, max_restarts: int = 3, window_s: float = 60.0,
-                 on_fatal: Optional[Callable[[str], None]] = None):
+                 on_fatal: Optional[Callable[[str], None]] = None,
+                 on_idle: Optional[Callable[[Callable[[], bool]], None]] = None,
+                 on_exit: Optional[Callable[[], None]] = None):
         self.max_restarts, self.window_s, self.on_fatal = max_restarts, window_s, on_fatal
+        self.on_idle, self.on_exit = on_idle, on_exit
         self.restarts = 0
         self.last_error: Optional[str] = None
         self._crashes: collections.deque = collections.deque()
@@ -121,6 +140,16 @@ class SupervisedGenerator(ResponseGenerator):
 
     # -- the loop, supervised ----------------------------------------------------------------
     def _run_generate(self):
+        try:
+            self._supervise()
+        finally:
+            if self.on_exit is not None:
+                try:
+                    self.on_exit()
+                except Exception:
+                    log.exception("kvcompress serve: the work at the generation loop's end failed")
+
+    def _supervise(self):
         while not self._stop:
             try:
                 self._generate()
@@ -144,6 +173,16 @@ class SupervisedGenerator(ResponseGenerator):
                 self.restarts += 1
                 log.warning("kvcompress serve: generation loop restarted (%d so far)", self.restarts)
 
+    def join(self):
+        """Wait until the generation thread has ended, its thread-local destructors included:
+        MLX's per-thread compile cache releases Python objects when the thread exits, and if
+        the interpreter were finalizing by then the process would abort ("terminate called
+        without an active exception", status -6 instead of 0). Python's ``join`` returns
+        before those destructors run, so on Linux this waits for the thread to leave
+        ``/proc/self/task`` (elsewhere: a short pause)."""
+        super().join()
+        _wait_exited(self._generation_thread)
+
     def _fail_in_flight(self, error: ServeError) -> None:
         with self._jobs_lock:
             jobs = list(self._jobs)
@@ -151,7 +190,16 @@ class SupervisedGenerator(ResponseGenerator):
             job.cancel()
             job.put(error)
 
+    def _busy(self) -> bool:
+        return self._stop or not self.requests.empty()
+
     def _next_request(self, timeout=None):
+        # mlx-lm waits (timeout not None) only when nothing is generating: the time for idle work
+        if timeout is not None and self.on_idle is not None and not self._is_distributed and not self._busy():
+            try:
+                self.on_idle(self._busy)
+            except Exception:
+                log.exception("kvcompress serve: idle work failed")
         while True:
             request = super()._next_request(timeout)
             if request is None or self._is_distributed or not isinstance(request[0], Job):

@@ -18,7 +18,7 @@ from ..errors import KVCompressError
 __all__ = ["server_parser", "parse_server_args", "check_server_args", "OWN_OPTIONS"]
 
 #: kvcompress serve's own options (besides --method/--budget/--config/--param)
-OWN_OPTIONS = ("max_concurrent_requests",)
+OWN_OPTIONS = ("max_concurrent_requests", "prompt_cache_dir", "prompt_cache_dir_bytes")
 
 
 class _Captured(Exception):
@@ -55,6 +55,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    from .cache_dir import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return value
+
+
+#: --prompt-cache-dir-bytes when not given
+DEFAULT_DIR_BYTES = 10 * 10**9
+
+
 def server_parser() -> argparse.ArgumentParser:
     """mlx-lm's server parser with kvcompress serve's options added."""
     p = _mlx_parser()
@@ -69,6 +85,13 @@ def server_parser() -> argparse.ArgumentParser:
     own.add_argument("--max-concurrent-requests", type=_positive, default=128, metavar="N",
                      help="generations held at once (each choice of each request, decoding or queued); "
                           "more are refused with 503 and Retry-After (default: 128)")
+    own.add_argument("--prompt-cache-dir", metavar="DIR",
+                     help="keep the prompt caches on disk too, in DIR (created if missing; several servers may "
+                          "share it): a restarted server resumes a conversation from there, prefilling only "
+                          "the new turn. Files are written when the server is idle and at shutdown")
+    own.add_argument("--prompt-cache-dir-bytes", type=_size, metavar="SIZE",
+                     help="the most the cache files in --prompt-cache-dir hold together, e.g. 2GB, 500MB, "
+                          "1.5GiB; the least recently used files are removed first (default: 10GB)")
     return p
 
 
@@ -97,6 +120,9 @@ def check_server_args(cli_args) -> None:
             raise KVCompressError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
     if getattr(cli_args, "prompt_cache_bytes", None) is not None and cli_args.prompt_cache_bytes < 0:
         raise KVCompressError(f"--prompt-cache-bytes must be >= 0, got {cli_args.prompt_cache_bytes}")
+    given_bytes = getattr(cli_args, "prompt_cache_dir_bytes", None) is not None
+    if given_bytes and not getattr(cli_args, "prompt_cache_dir", None):
+        raise KVCompressError("--prompt-cache-dir-bytes limits the folder of --prompt-cache-dir; give that folder too")
     host, port = getattr(cli_args, "host", "127.0.0.1"), getattr(cli_args, "port", 8080)
     if not 1 <= port <= 65535:
         raise KVCompressError(f"--port must be in [1, 65535], got {port}")

@@ -50,12 +50,37 @@ def _server_class():
     return Server
 
 
-def _prompt_cache(cli):
-    """The server's prompt cache (the one place a persistent tier, e.g. a cache folder, would be
-    chosen from the options)."""
+def _cache_folder(cli):
+    """The ``--prompt-cache-dir`` folder, checked (None without the option)."""
+    if not getattr(cli, "prompt_cache_dir", None):
+        return None
+    import mlx.core as mx
+
+    from .cache_dir import CacheDir
+    from .options import DEFAULT_DIR_BYTES
+
+    if mx.distributed.init().size() > 1:
+        raise KVCompressError("--prompt-cache-dir is not supported under mlx.distributed (every rank would have "
+                              "to find the same files at the same moment); drop it")
+    return CacheDir(cli.prompt_cache_dir, cli.prompt_cache_dir_bytes or DEFAULT_DIR_BYTES)
+
+
+def _prompt_cache(cli, folder=None, method=None, provider=None):
+    """The server's prompt cache: in memory, and with a cache ``folder`` on disk too (a
+    :class:`~.persistent_cache.PersistentPromptCache` whose files are identified by ``provider``'s
+    loaded models and ``method``)."""
     from ..mlxlm.prompt_cache import CompressedPromptCache
 
-    return CompressedPromptCache(cli.prompt_cache_size)
+    if folder is None:
+        return CompressedPromptCache(cli.prompt_cache_size)
+    from .identity import provider_identity
+    from .persistent_cache import PersistentPromptCache
+
+    known: dict = {}
+    cache = PersistentPromptCache(cli.prompt_cache_size, folder,
+                                  lambda key: provider_identity(provider, method, key, known))
+    log.info("kvcompress serve: prompt caches kept in %s", cache.describe())
+    return cache
 
 
 def run_server(method, argv: Sequence[str]) -> int:
@@ -70,6 +95,7 @@ def run_server(method, argv: Sequence[str]) -> int:
     from .app import AppState, build_app
     from .generator import SupervisedGenerator
     from .options import check_server_args, parse_server_args
+    from .persistent_cache import PersistentPromptCache
 
     cli = parse_server_args(argv)
     if cli.kv_bits is not None:
@@ -83,6 +109,7 @@ def run_server(method, argv: Sequence[str]) -> int:
         maybe_set_recommended_wired_limit()
     except Exception:
         pass
+    folder = _cache_folder(cli)  # an unusable --prompt-cache-dir stops here
     provider = model_provider(method)(cli)  # loads --model: a bad model or budget stops here
     server_box: dict = {}
 
@@ -91,13 +118,18 @@ def run_server(method, argv: Sequence[str]) -> int:
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    generator = SupervisedGenerator(provider, _prompt_cache(cli), on_fatal=fatal)
+    prompt_cache = _prompt_cache(cli, folder, method, provider)
+    persistent = isinstance(prompt_cache, PersistentPromptCache)
+    generator = SupervisedGenerator(provider, prompt_cache, on_fatal=fatal,
+                                    on_idle=prompt_cache.write_pending if persistent else None,
+                                    on_exit=prompt_cache.close if persistent else None)
     if mx.distributed.init().rank() != 0:  # other ranks only generate (mlx-lm's arrangement)
         generator.join()
         return 1 if generator.failed else 0
     batch = max(cli.decode_concurrency, cli.prompt_concurrency)
     state = AppState(generator=generator, provider=provider, cli=cli, fingerprint=_fingerprint(),
-                     admission=Admission(cli.max_concurrent_requests, batch))
+                     admission=Admission(cli.max_concurrent_requests, batch),
+                     disk_cache=prompt_cache if persistent else None)
     level = cli.log_level.lower()
     config = uvicorn.Config(build_app(state), host=cli.host, port=cli.port, log_level=level,
                             access_log=level in ("debug", "info"), timeout_graceful_shutdown=10,
