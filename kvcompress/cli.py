@@ -20,6 +20,8 @@ BENCH_WORKLOADS = {
     "scaling": "kvcompress.bench.scaling",
     "serve": "kvcompress.bench.serve",
     "distributed": "kvcompress.bench.distributed",
+    "longctx": "kvcompress.bench.longctx",
+    "longppl": "kvcompress.bench.longctx_ppl",
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
