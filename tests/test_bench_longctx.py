@@ -81,6 +81,26 @@ def test_a_budget_above_the_conversation_answers_as_the_full_cache(tiny, source,
     assert set(full["answers"]) == {"blind", "turns"}
 
 
+def test_question_aware_reads_context_and_question_once_per_question(tiny, source):
+    """--question-aware: one whole-prompt prefill per question (the progress counts them), the
+    conversation starting from the first question's own cache; a roomy compressed cache still
+    answers as the full cache."""
+    import kvcompress
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tok, fmt, eps = _episodes(source, 2)
+    s = {**lc.DEFAULTS, "question_aware": True, "batch": 4}
+    seen = []
+    full = lc.measure(tiny, tok, fmt, eps, lambda: make_prompt_cache(tiny), s, eos_ids(tok), seen.append)
+    assert sum(seen) == sum(ep.n_tokens * len(ep.questions) + 2 * lc.ask_units(ep) for ep in eps)
+    roomy = lc.measure(tiny, tok, fmt, eps, lambda: kvcompress.make_prompt_cache(tiny, "snapkv", budget=4096), s,
+                       eos_ids(tok))
+    assert roomy["answers"] == full["answers"] and len(full["answers"]["turns"][0]) == len(eps[0].questions)
+    # the conversation's first reply is the aware request's reply to the question asked first
+    first = [full["answers"]["blind"][e][o[0]] for e, o in enumerate(full["orders"])]
+    assert first == [full["answers"]["turns"][e][o[0]] for e, o in enumerate(full["orders"])]
+
+
 def test_turns_feed_each_reply_before_the_next_question(tiny, source):
     """A conversation's cache holds the context, every question and every reply token: its
     offset is their sum (nothing lost between turns)."""
@@ -273,3 +293,30 @@ def test_tune_longctx_flags_are_one_line_errors(monkeypatch, argv, says, capsys)
     rc = main(["tune", "--budget", "64", *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_gate_averages_only_tasks_the_full_cache_passes(source):
+    """Records from made-up replies: the full cache answers every needle and no fact, so only the
+    needles are averaged (facts reported per task); turns are scored in the order asked."""
+    from kvcompress.bench._longctx_report import measured_record
+
+    _, _, eps = _episodes(source, 2)
+    right = [[" " + " ".join(q.refs) + "." for q in ep.questions] for ep in eps]
+    full_replies = [[a if q.task == "niah_single" else " no idea" for a, q in zip(r, ep.questions)]
+                    for r, ep in zip(right, eps)]
+    orders = [list(range(len(ep.questions)))[::-1] for ep in eps]
+    full = {"answers": {"blind": full_replies, "turns": full_replies}, "kv_bytes": 400.0, "kept": 10.0,
+            "seconds": {"read": 1.0}, "orders": orders}
+    gate = {"niah_single": True, "qa": False}
+    rec = measured_record({"label": "full"}, eps, full, None, gate, "blind")
+    assert rec["accuracy"] == 1.0 and rec["n_questions"] == 2 and rec["accuracy_se"] == 0.0
+    assert rec["by_task"]["qa"] == {"accuracy": 0.0, "partial": pytest.approx(rec["by_task"]["qa"]["partial"]),
+                                    "n": 10, "gated_in": False}
+    half = [[a if e == 0 else " 0" for a in r] for e, r in enumerate(right)]  # episode 0 right, episode 1 wrong
+    meas = {**full, "answers": {"blind": half, "turns": half}, "kv_bytes": 100.0}
+    rec = measured_record({"label": "x"}, eps, meas, rec, gate, "turns")
+    assert rec["accuracy"] == 0.5 and rec["relative"] == 0.5 and rec["bytes_ratio"] == 4.0
+    assert rec["accuracy_se"] == pytest.approx(math.sqrt(0.5) / math.sqrt(2))  # std(ddof=1) of [1, 0] / sqrt(2)
+    # the needle is asked last (reversed order): only the last turn is gated in
+    assert rec["accuracy_by_turn"][:-1] == [None] * 5 and rec["accuracy_by_turn"][-1] == 0.5
+    assert rec["later_accuracy"] == 0.5
