@@ -249,6 +249,28 @@ def test_real_model_full_cache_finds_a_short_needle_and_a_roomy_budget_matches_i
     assert roomy["answers"] == full["answers"]
 
 
+def test_variants_run_next_to_the_defaults_and_bad_ones_are_refused(tiny, source):
+    from kvcompress import get_registry
+    from kvcompress.bench._variants import cache_entries, variant
+
+    assert variant("snapkv:kernel=11,recent=8,pooling=avg") == ("snapkv", {"kernel": 11, "recent": 8, "pooling": "avg"})
+    for bad in ("snapkv", "snapkv:", ":kernel=3", "snapkv:kernel"):
+        with pytest.raises(argparse.ArgumentTypeError, match="METHOD:NAME=VALUE"):
+            variant(bad)
+    reg = get_registry()
+    got = cache_entries(("h2o",), reg, [("snapkv", {"kernel": 11})])  # a variant of a method not listed runs too
+    assert [e[3] for e in got] == ["rotating", "h2o", "snapkv:kernel=11"]
+    with pytest.raises(ValueError, match="--variant nope: unknown method"):
+        cache_entries(None, reg, [("nope", {"x": 1})])
+    with pytest.raises(ValueError, match="--variant snapkv:no_such=1"):
+        cache_entries(None, reg, [("snapkv", {"no_such": 1})])
+    p = lc.run_longctx({"lengths": (600,), "episodes": 1, "chunk": 128, "methods": ("h2o",), "protocols": ("blind",),
+                        "extra": [("h2o", {"n_sink": 8})], "text_dir": source.where}, model=tiny,
+                       tokenizer=ByteTokenizer(True), progress=False)
+    assert [r["label"] for r in p["results"]] == ["full", "rotating", "h2o", "h2o:n_sink=8"]
+    assert p["results"][-1]["params"] == {"n_sink": 8}
+
+
 def test_cli_lists_the_workloads():
     from kvcompress.cli import BENCH_WORKLOADS
 
@@ -256,9 +278,10 @@ def test_cli_lists_the_workloads():
     assert BENCH_WORKLOADS["longppl"] == "kvcompress.bench.longctx_ppl"
     ap = argparse.ArgumentParser()
     lc.add_arguments(ap)
-    args = ap.parse_args(["--quick", "--tasks", "qa", "--methods", "h2o", "cam"])
+    args = ap.parse_args(["--quick", "--tasks", "qa", "--methods", "h2o", "cam", "--variant", "cam:merge=mean"])
     s = lc.settings_from_args(args)
     assert s["lengths"] == (512,) and s["tasks"] == ("qa",) and s["methods"] == ("h2o", "cam")
+    assert s["extra"] == [("cam", {"merge": "mean"})]
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,3 +343,26 @@ def test_gate_averages_only_tasks_the_full_cache_passes(source):
     # the needle is asked last (reversed order): only the last turn is gated in
     assert rec["accuracy_by_turn"][:-1] == [None] * 5 and rec["accuracy_by_turn"][-1] == 0.5
     assert rec["later_accuracy"] == 0.5
+
+
+def test_cli_quick_run_on_stories260k_writes_results(tmp_path, capsys, monkeypatch):
+    """``kvcompress bench longctx --quick`` end to end on the small trained model (seconds): model
+    loading, the filler folder, both tables, the JSON and the plot."""
+    pytest.importorskip("matplotlib")
+    from kvcompress.cli import main
+
+    path = models_dir() / "stories260K"
+    if not (path / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {path}; set KVCOMPRESS_MODELS_DIR to run this test")
+    monkeypatch.setenv("KVCOMPRESS_NO_BLAS_REEXEC", "1")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "t.txt").write_text(TEXT)
+    rc = main(["bench", "longctx", "--quick", "--model", str(path), "--text-dir", str(tmp_path / "text"),
+               "--methods", "h2o,tova", "--plain", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    data = json.loads((tmp_path / "out" / "longctx.json").read_text())
+    assert (tmp_path / "out" / "longctx.png").stat().st_size > 0
+    assert {r["label"] for r in data["results"]} == {"full", "rotating", "h2o", "tova"}
+    assert data["settings"]["lengths"] == [512] and data["machine"].get("git_commit")
+    assert "Full cache per task" in out.out and "rotating" in out.out

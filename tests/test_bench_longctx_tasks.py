@@ -63,6 +63,19 @@ def test_task_draws_differ_by_seed_and_keys_are_distinct():
     assert len(refs) == len(set(refs))
 
 
+def test_separate_gives_each_task_its_own_contexts(source):
+    from kvcompress.bench.longctx import DEFAULTS, make_episodes
+
+    tok = ByteTokenizer(chatml=True)
+    s = {**DEFAULTS, "tasks": ("niah_single", "qa"), "episodes": 2}
+    shared = make_episodes(tok, ChatFormat.for_tokenizer(tok), source, s, 2500)
+    apart = make_episodes(tok, ChatFormat.for_tokenizer(tok), source, {**s, "separate": True}, 2500)
+    assert len(shared) == 2 and {q.task for q in shared[0].questions} == {"niah_single", "qa"}
+    assert len(apart) == 4 and [{q.task for q in ep.questions} for ep in apart] == [
+        {"niah_single"}, {"niah_single"}, {"qa"}, {"qa"}]
+    assert all(ep.n_tokens == 2500 for ep in shared + apart)
+
+
 def test_unknown_task_and_too_short_context_are_clear_errors(source):
     tok = ByteTokenizer()
     with pytest.raises(ValueError, match="unknown task 'nope'"):

@@ -154,6 +154,9 @@ def plot_longctx(payload: dict, path) -> Path:
             full = next((r.get("accuracy") for r in rs if r["label"] == "full"), None)
             if full is not None:
                 ax.axhline(full, color="black", linestyle=":", linewidth=1, label="full (KVCache)")
+            else:
+                ax.text(0.5, 0.5, f"no task passes the gate\n(full cache < {st['min_full']:g} on every task)",
+                        transform=ax.transAxes, ha="center", va="center", fontsize=8)
             for k, lbl in enumerate(labels):
                 pts = sorted((r["bytes_ratio"], r["accuracy"]) for r in rs if r["label"] == lbl
                              and r.get("accuracy") is not None and r.get("bytes_ratio"))
@@ -172,7 +175,8 @@ def plot_longctx(payload: dict, path) -> Path:
                 ax.set_xlabel("KV memory compression, measured (full-cache bytes / cache bytes)")
             if j == 0:
                 ax.set_ylabel("exact-match accuracy")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"Long-context tasks with a bounded KV cache ({Path(str(st['model'])).name}), higher is better",
                  fontsize=10)
     return save_plot(fig, path, caption(payload))

@@ -34,11 +34,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
+from ._caches import live_kv_bytes, make_cache, stored_tokens
 from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_at_least, check_minimums, int_list, name_list
 from ._options import settings_from_args as _settings_from_args
 from ._longctx_report import measured_record, scores
 from ._report import machine_info, progress_bar, report_sweep, warn_openblas
+from ._variants import cache_entries, variant
 
 __all__ = ["DEFAULTS", "QUICK", "PROTOCOLS", "load_chat_model", "default_model_path", "check_settings",
            "make_episodes", "measure", "run_longctx", "add_arguments", "settings_from_args", "run"]
@@ -224,16 +225,20 @@ def run_longctx(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
     from kvcompress import get_registry
 
     from ._longctx_run import eos_ids
-    from .longctx_text import ChatFormat, TextSource
+    from .longctx_text import ChatFormat, TextSource, default_text_dir
 
     s = {**DEFAULTS, **(settings or {})}
     check_settings(s)
     reg = registry or get_registry()
-    todo = [e for e in entries(s["methods"], reg, s["extra"]) if e[1] != "full"]
+    todo = cache_entries(s["methods"], reg, s["extra"])
     if model is None:
         s["model"] = _resolve_model(s["model"])
         model, tokenizer = load_chat_model(s["model"], s["dequantize"])
     source = TextSource.from_dir(s["text_dir"])
+    if s["text_dir"] is None and source.where.startswith("embedded"):
+        warnings.warn(f"longctx: no text folder (the default {default_text_dir()} is absent): the filler is "
+                      "kvcompress's own docstrings; pass --text-dir DIR for real documents", RuntimeWarning,
+                      stacklevel=2)
     fmt = ChatFormat.for_tokenizer(tokenizer, s["chat_template"])
     stop = eos_ids(tokenizer)
     episodes = {L: make_episodes(tokenizer, fmt, source, s, L) for L in s["lengths"]}
@@ -254,8 +259,9 @@ def run_longctx(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
         gates[L] = {t: {"full_accuracy": float(exact[tasks == t].mean()), "gated_in": ok} for t, ok in gate.items()}
         fulls = {}
         for p in s["protocols"]:
-            fulls[p] = measured_record({"length": L, "kind": "baseline", "method": "full", "label": "full", "params": {},
-                                "ratio": 1, "budget": None}, eps, full_meas, None, gate, p)
+            base = {"length": L, "kind": "baseline", "method": "full", "label": "full", "params": {}, "ratio": 1,
+                    "budget": None}
+            fulls[p] = measured_record(base, eps, full_meas, None, gate, p)
             fulls[p].update(full_accuracy=fulls[p]["accuracy"], bytes_ratio=1.0, relative=1.0)
             results.append(fulls[p])
         for kind, name, params, label in todo:
@@ -323,6 +329,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
                         help="methods, by commas or spaces (default: every registered method)")
+    parser.add_argument("--variant", dest="extra", type=variant, action="append", metavar="METHOD:K=V,...",
+                        help="also run METHOD with these parameters, e.g. snapkv:kernel=11,recent=8 (repeatable)")
     parser.add_argument("--seed", type=int, help="seed of the episodes and of seeded methods (default 0)")
     parser.add_argument("--min-full", type=float,
                         help="average only tasks the full cache scores >= this on (default 0.8)")

@@ -31,11 +31,12 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from ._caches import entries, live_kv_bytes, make_cache, stored_tokens
+from ._caches import live_kv_bytes, make_cache, stored_tokens
 from ._options import DEFAULT_OUT, NameList, add_output_arguments, check_at_least, check_minimums, int_list
 from ._options import settings_from_args as _settings_from_args
 from ._report import caption as _caption
 from ._report import machine_info, progress_bar, pyplot, report_sweep, result_labels, save_plot, warn_openblas
+from ._variants import cache_entries, variant
 
 __all__ = ["DEFAULTS", "QUICK", "long_windows", "chunked_nll", "run_longppl", "add_arguments", "run",
            "results_table", "plot_longppl"]
@@ -134,7 +135,7 @@ def run_longppl(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
     source = TextSource.from_dir(s["text_dir"])
     windows, names = long_windows(tokenizer, source, s["window"], s["windows"], s["seed"])
     batches = [windows[i : i + s["batch"]] for i in range(0, len(windows), s["batch"])]
-    todo = [e for e in entries(s["methods"], reg, s["extra"]) if e[1] != "full"]
+    todo = cache_entries(s["methods"], reg, s["extra"])
     grid = [("baseline", "full", {}, "full", 1)] + [(*e, r) for r in s["ratios"] for e in todo]
     bar = progress_bar(total=len(grid) * windows.size, desc="longppl", unit="tok", leave=False) if progress else None
     advance = bar.update if bar is not None and hasattr(bar, "update") else None
@@ -260,6 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, help="RotatingKVCache keep, attention sinks (default 4)")
     parser.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
                         help="methods, by commas or spaces (default: every registered method)")
+    parser.add_argument("--variant", dest="extra", type=variant, action="append", metavar="METHOD:K=V,...",
+                        help="also run METHOD with these parameters, e.g. snapkv:kernel=11,recent=8 (repeatable)")
     parser.add_argument("--seed", type=int, help="seed of the document order and of seeded methods (default 0)")
     parser.add_argument("--no-dequantize", dest="dequantize", action="store_false", default=None,
                         help="keep a quantized model's weights quantized (slow on a CPU)")
