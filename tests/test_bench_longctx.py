@@ -366,3 +366,26 @@ def test_cli_quick_run_on_stories260k_writes_results(tmp_path, capsys, monkeypat
     assert {r["label"] for r in data["results"]} == {"full", "rotating", "h2o", "tova"}
     assert data["settings"]["lengths"] == [512] and data["machine"].get("git_commit")
     assert "Full cache per task" in out.out and "rotating" in out.out
+
+
+def test_tune_cli_on_the_longctx_workload_writes_its_files(tmp_path, capsys, monkeypatch):
+    """``kvcompress tune --workload longctx`` end to end on stories260K (seconds)."""
+    pytest.importorskip("matplotlib")
+    from kvcompress.cli import main
+
+    path = models_dir() / "stories260K"
+    if not (path / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {path}; set KVCOMPRESS_MODELS_DIR to run this test")
+    monkeypatch.setenv("KVCOMPRESS_NO_BLAS_REEXEC", "1")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "t.txt").write_text(TEXT)
+    out = tmp_path / "res"
+    rc = main(["tune", "--workload", "longctx", "--model", str(path), "--data", str(tmp_path / "text"),
+               "--budget", "128", "--window", "512", "--windows", "1", "--held-out", "1", "--candidates", "2",
+               "--finalists", "1", "--methods", "h2o,tova", "--out", str(out), "--no-progress", "--plain"])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    data = json.loads((out / "tune.json").read_text())
+    assert data["workload"]["workload"] == "longctx" and data["workload"]["length"] == 512
+    assert data["settings"]["workload"] == "longctx" and (out / "tune.toml").is_file()
+    assert "winner: " in text.out and "accuracy lost" in text.out
