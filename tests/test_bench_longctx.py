@@ -389,3 +389,25 @@ def test_tune_cli_on_the_longctx_workload_writes_its_files(tmp_path, capsys, mon
     assert data["workload"]["workload"] == "longctx" and data["workload"]["length"] == 512
     assert data["settings"]["workload"] == "longctx" and (out / "tune.toml").is_file()
     assert "winner: " in text.out and "accuracy lost" in text.out
+
+
+@pytest.mark.parametrize("mod", ["longctx", "longppl"])
+def test_results_record_the_commit_the_run_started_at(tiny, source, monkeypatch, mod):
+    """A long run outlives edits to the checkout: the JSON names the commit (and load) at the
+    start, not whatever the checkout holds when the run ends."""
+    calls = []
+
+    def fake_machine():
+        calls.append(1)
+        return {"git_commit": f"commit-{len(calls)}", "load_average": [float(len(calls))]}
+
+    m = lc if mod == "longctx" else lp
+    monkeypatch.setattr(m, "machine_info", fake_machine)
+    if mod == "longctx":
+        p = lc.run_longctx({"lengths": (600,), "episodes": 1, "chunk": 128, "methods": ("h2o",),
+                            "protocols": ("blind",), "text_dir": source.where}, model=tiny,
+                           tokenizer=ByteTokenizer(True), progress=False)
+    else:
+        p = lp.run_longppl({"window": 300, "windows": 1, "decode": 8, "chunk": 128, "methods": ("h2o",),
+                            "text_dir": source.where}, model=tiny, tokenizer=ByteTokenizer(), progress=False)
+    assert p["machine"]["git_commit"] == "commit-1" and p["machine"]["load_average_end"] == [float(len(calls))]

@@ -234,6 +234,7 @@ def run_longctx(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
     if model is None:
         s["model"] = _resolve_model(s["model"])
         model, tokenizer = load_chat_model(s["model"], s["dequantize"])
+    machine = machine_info()  # the commit and load the run starts with (a long run outlives edits)
     source = TextSource.from_dir(s["text_dir"])
     if s["text_dir"] is None and source.where.startswith("embedded"):
         warnings.warn(f"longctx: no text folder (the default {default_text_dir()} is absent): the filler is "
@@ -285,7 +286,7 @@ def run_longctx(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
         bar.close()
     return {
         "benchmark": "longctx",
-        "machine": machine_info(),
+        "machine": {**machine, "load_average_end": machine_info()["load_average"]},
         "settings": {**s, "text_dir": source.where, "extra": [[n, dict(p)] for n, p in (s["extra"] or ())],
                      "methods": sorted({r["method"] for r in results if r["kind"] == "method"}),
                      "chat_template": fmt.templated},

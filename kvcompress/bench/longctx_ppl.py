@@ -132,6 +132,7 @@ def run_longppl(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
     if model is None:
         s["model"] = _resolve_model(s["model"])
         model, tokenizer = load_chat_model(s["model"], s["dequantize"])
+    machine = machine_info()  # the commit and load the run starts with (a long run outlives edits)
     source = TextSource.from_dir(s["text_dir"])
     windows, names = long_windows(tokenizer, source, s["window"], s["windows"], s["seed"])
     batches = [windows[i : i + s["batch"]] for i in range(0, len(windows), s["batch"])]
@@ -175,7 +176,7 @@ def run_longppl(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
         bar.close()
     return {
         "benchmark": "longppl",
-        "machine": machine_info(),
+        "machine": {**machine, "load_average_end": machine_info()["load_average"]},
         "settings": {**s, "text_dir": source.where, "windows": int(len(windows)), "documents": names,
                      "methods": sorted({r["method"] for r in results if r["kind"] == "method"}),
                      "extra": [[n, dict(p)] for n, p in (s["extra"] or ())],
