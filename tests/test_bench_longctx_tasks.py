@@ -156,3 +156,26 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         ChatFormat.for_tokenizer(Rewriting(chatml=True))
 
 
+
+
+@pytest.mark.parametrize("length", [1000, 4096])
+def test_real_tokenizer_episodes_have_the_length_and_the_facts(length):
+    """With SmolLM2's byte-level BPE (the tokenizer alone; skipped when absent): the prefix is
+    within a few tokens of the length asked, and each fact's tokens spell it."""
+    from conftest import data_dir, models_dir
+
+    path = models_dir() / "smollm2-135m-instruct"
+    if not (path / "tokenizer.json").is_file() or not (data_dir() / "longtext").is_dir():
+        pytest.skip(f"SmolLM2's tokenizer ({path}) or the long text ({data_dir() / 'longtext'}) is absent")
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(path)
+    fmt = ChatFormat.for_tokenizer(tok)
+    src = TextSource.from_dir(data_dir() / "longtext")
+    for seed in range(2):
+        ep = build_episode(tok, fmt, src, length, ALL_TASKS, (seed, length))
+        assert abs(ep.n_tokens - length) <= 3
+        for _, text, _, t in ep.placed:
+            n = len(tok.encode(" " + text, add_special_tokens=False))
+            got = tok.decode(list(ep.prefix_ids[t : t + n + 2]))
+            assert got.lstrip().startswith(text), (got, text)  # the fact starts at its token (a space may merge)

@@ -72,14 +72,14 @@ def check_settings(s: dict) -> None:
 def long_windows(tokenizer, source, window: int, n: int, seed: int = 0) -> tuple[np.ndarray, list[str]]:
     """``[n, window]`` int32: the first ``window`` tokens of ``n`` documents long enough for one
     (seeded order); and the documents' names."""
-    from .longctx_text import defuse, special_strings
+    from .longctx_text import defuse, encode_long, special_strings
 
     specials = special_strings(tokenizer)
     order = np.random.default_rng([seed, window, 11]).permutation(len(source.docs))
     rows, names = [], []
     for i in order:
         name, text = source.docs[int(i)]
-        ids = list(tokenizer.encode(defuse(text, specials)))
+        ids = encode_long(tokenizer, defuse(text, specials))
         if len(ids) >= window:
             rows.append(ids[:window])
             names.append(name)

@@ -288,11 +288,25 @@ def _insert(fill: str, plants: Sequence[Plant]) -> tuple[str, list[int]]:
     return "".join(out), starts
 
 
+def _token_at(tokenizer, ids: Sequence[int], n_chars: int) -> int:
+    """The index of the token holding character ``n_chars`` of ``decode(ids)``: the most tokens
+    whose text fits in the first ``n_chars`` characters (a binary search over decoded prefixes;
+    a space or newline before a plant may merge into its first token)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(list(ids[:mid]))) <= n_chars:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def build_episode(tokenizer, fmt, source, length: int, tasks: Sequence[str], seed: Sequence[int],
                   options: Optional[dict] = None) -> Episode:
     """One seeded episode whose prefix (chat head + document) is ``length`` tokens (within a few:
     the filler is cut at a token and re-fitted until the tokenized document has the size)."""
-    from .longctx_text import special_strings
+    from .longctx_text import encode_long, special_strings
 
     rng = np.random.default_rng(list(seed))
     plants, questions = task_plants(tasks, rng, options)
@@ -303,22 +317,27 @@ def build_episode(tokenizer, fmt, source, length: int, tasks: Sequence[str], see
     if n_fill < max(16, plant_tokens // 4):
         raise ValueError(f"a context of {length} tokens is too short for the planted facts of "
                          f"{', '.join(tasks)} (about {plant_tokens + len(head)} tokens); raise the length")
-    text, sources = source.filler(rng, 6 * want + 200, special_strings(tokenizer))
-    fill_ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if len(fill_ids) < n_fill + 64:
-        raise ValueError(f"the text source ({source.where}) holds about {len(fill_ids)} tokens; "
-                         f"{n_fill} are needed for one {length}-token context")
+    chars = 5 * want + 400  # about 4 characters a token in English; more is drawn when short
+    for _ in range(5):
+        text, sources = source.filler(rng, chars, special_strings(tokenizer))
+        fill_ids = encode_long(tokenizer, text, add_special_tokens=False)
+        if len(fill_ids) >= n_fill + 64:
+            break
+        chars *= 2
+    else:
+        raise ValueError(f"the text source ({source.where}) gives {len(fill_ids)} tokens of filler; "
+                         f"{n_fill + 64} are needed for one {length}-token context")
     best = None
     for _ in range(6):
         doc, starts = _insert(tokenizer.decode(fill_ids[:n_fill]), plants)
-        doc_ids = list(tokenizer.encode(doc, add_special_tokens=False))
+        doc_ids = encode_long(tokenizer, doc, add_special_tokens=False)
         if best is None or abs(len(doc_ids) - want) < abs(len(best[1]) - want):
             best = (doc, doc_ids, starts)
         if len(doc_ids) == want:
             break
         n_fill += want - len(doc_ids)
     doc, doc_ids, starts = best
-    tok_starts = [len(head) + len(tokenizer.encode(doc[:s], add_special_tokens=False)) for s in starts]
+    tok_starts = [len(head) + _token_at(tokenizer, doc_ids, s) for s in starts]
     n = len(head) + len(doc_ids)
     placed = tuple((p.task, p.text, s, t) for p, s, t in zip(plants, starts, tok_starts))
     depths = tuple(round(tok_starts[q.plants[0]] / n, 4) if q.plants else None for q in questions)

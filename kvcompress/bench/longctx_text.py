@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import attrs
 import numpy as np
 
-__all__ = ["TextSource", "ChatFormat", "default_text_dir", "embedded_text", "special_strings", "defuse"]
+__all__ = ["TextSource", "ChatFormat", "default_text_dir", "embedded_text", "special_strings", "defuse", "encode_long"]
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +71,20 @@ def special_strings(tokenizer) -> list[str]:
             pass
     found |= set(getattr(inner, "all_special_tokens", None) or ())
     return sorted((s for s in found if len(s) >= 3 and s.startswith("<")), key=len, reverse=True)
+
+
+def encode_long(tokenizer, text: str, **kw) -> list[int]:
+    """``tokenizer.encode(text, **kw)`` without Hugging Face's warning that the text is longer
+    than the model's context (the filler and documents are cut to size afterwards)."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    limit = getattr(inner, "model_max_length", None)
+    if isinstance(limit, int):
+        inner.model_max_length = max(limit, 1 << 40)
+    try:
+        return list(tokenizer.encode(text, **kw))
+    finally:
+        if isinstance(limit, int):
+            inner.model_max_length = limit
 
 
 def _paragraphs(text: str) -> list[str]:
