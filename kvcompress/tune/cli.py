@@ -13,6 +13,9 @@ __all__ = ["DEFAULTS", "WORKLOADS", "add_arguments", "check_args", "run"]
 WORKLOADS = ("perplexity", "retrieval", "longctx")
 #: ``--window`` of the longctx workload when not given: its context length
 LONGCTX_WINDOW = 2048
+#: ``--windows`` / ``--held-out`` of the longctx workload when not given: episodes (a chunked read
+#: of 2k tokens and its questions take about a minute on SmolLM2-135M on 2 CPU cores)
+LONGCTX_ITEMS = 2
 
 #: Option defaults (``--quick`` shrinks the items for a trial run).
 DEFAULTS = {"candidates": 100, "max_minutes": 10.0, "finalists": 4, "windows": 8, "held_out": 8,
@@ -42,10 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"stop starting candidates when the run would pass this (default {d['max_minutes']:g})")
     p.add_argument("--finalists", type=int, default=d["finalists"],
                    help=f"best candidates re-measured on held-out items (default {d['finalists']})")
-    p.add_argument("--windows", type=int, default=d["windows"],
-                   help=f"search items: text windows, or retrieval samples per task (default {d['windows']})")
-    p.add_argument("--held-out", type=int, default=d["held_out"],
-                   help=f"held-out items the finalists are compared on (default {d['held_out']})")
+    p.add_argument("--windows", type=int, default=None,
+                   help=f"search items: text windows, retrieval samples per task, or longctx episodes (default "
+                        f"{d['windows']}; longctx {LONGCTX_ITEMS})")
+    p.add_argument("--held-out", type=int, default=None,
+                   help=f"held-out items the finalists are compared on (default {d['held_out']}; longctx "
+                        f"{LONGCTX_ITEMS})")
     p.add_argument("--window", type=int, default=None,
                    help=f"tokens per item, BOS included: text window or retrieval context (default {d['window']}; "
                         f"longctx: the context length, default {LONGCTX_WINDOW})")
@@ -69,8 +74,12 @@ def check_args(args) -> None:
     """Raise ``ValueError`` (one line: the option, the valid range, the value) before anything loads."""
     if getattr(args, "workload", None) is None:
         args.workload = "perplexity" if args.model else "retrieval"
+    longctx = args.workload == "longctx"
     if args.window is None:
-        args.window = LONGCTX_WINDOW if args.workload == "longctx" else DEFAULTS["window"]
+        args.window = LONGCTX_WINDOW if longctx else DEFAULTS["window"]
+    for k in ("windows", "held_out"):
+        if getattr(args, k) is None:
+            setattr(args, k, LONGCTX_ITEMS if longctx else DEFAULTS[k])
     if args.quick:
         for k, v in {"windows": 2, "held_out": 2, "candidates": 12}.items():
             if getattr(args, k) == DEFAULTS[k]:
