@@ -22,6 +22,8 @@ BENCH_WORKLOADS = {
     "serve": "kvcompress.bench.serve",
     "restart": "kvcompress.bench.restart",
     "distributed": "kvcompress.bench.distributed",
+    "longctx": "kvcompress.bench.longctx",
+    "longppl": "kvcompress.bench.longctx_ppl",
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Every command with its one-line summary, in the groups ``kvcompress --help`` lists them in.

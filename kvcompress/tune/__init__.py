@@ -9,7 +9,7 @@
 
 from .search import COST_FACTOR, MEMORY_SLACK, run_search
 from .space import SEARCH_SPACE, Candidate, method_space
-from .workloads import Measurement, RetrievalWorkload, TextWorkload, paired_gap
+from .workloads import LongctxWorkload, Measurement, RetrievalWorkload, TextWorkload, paired_gap
 
 __all__ = ["SEARCH_SPACE", "MEMORY_SLACK", "COST_FACTOR", "Candidate", "method_space", "run_search",
-           "Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload"]
+           "Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload", "LongctxWorkload"]

@@ -1,4 +1,4 @@
-"""``kvcompress tune --model M --budget C [--data FILE]``: options, checks, the run, the files."""
+"""``kvcompress tune --model M --budget C [--data FILE] [--workload longctx]``: options, checks, the run, the files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULTS", "add_arguments", "check_args", "run"]
+__all__ = ["DEFAULTS", "WORKLOADS", "add_arguments", "check_args", "run"]
+
+#: What a candidate is measured on: ``perplexity`` (the default with --model), ``retrieval`` (the
+#: embedded model, without --model), ``longctx`` (``kvcompress bench longctx``'s tasks on --model).
+WORKLOADS = ("perplexity", "retrieval", "longctx")
+#: ``--window`` of the longctx workload when not given: its context length
+LONGCTX_WINDOW = 2048
+#: ``--windows`` / ``--held-out`` of the longctx workload when not given: episodes (a chunked read
+#: of 2k tokens and its questions take about a minute on SmolLM2-135M on 2 CPU cores)
+LONGCTX_ITEMS = 2
 
 #: Option defaults (``--quick`` shrinks the items for a trial run).
 DEFAULTS = {"candidates": 100, "max_minutes": 10.0, "finalists": 4, "windows": 8, "held_out": 8,
@@ -22,7 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, required=True, help="tokens kept per layer (the mean over layers for "
                                                              "per-layer budgets)")
     p.add_argument("--data", help="UTF-8 text to score perplexity on, with --model (default: 45 KB of plain "
-                                  "English prose bundled with kvcompress)")
+                                  "English prose bundled with kvcompress); longctx: a folder of .txt files for the "
+                                  "filler (default: the shared longtext folder)")
+    p.add_argument("--workload", choices=WORKLOADS,
+                   help="what candidates are measured on: perplexity (default with --model), retrieval (default "
+                        "without: the embedded model), longctx (bench longctx's needle and fact questions on --model, "
+                        f"--window-token contexts, default {LONGCTX_WINDOW})")
     p.add_argument("--methods", nargs="+", action=NameList, metavar="METHOD",
                    help="methods, separated by commas or spaces (default: every registered method)")
     p.add_argument("--candidates", type=int, default=d["candidates"],
@@ -31,12 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"stop starting candidates when the run would pass this (default {d['max_minutes']:g})")
     p.add_argument("--finalists", type=int, default=d["finalists"],
                    help=f"best candidates re-measured on held-out items (default {d['finalists']})")
-    p.add_argument("--windows", type=int, default=d["windows"],
-                   help=f"search items: text windows, or retrieval samples per task (default {d['windows']})")
-    p.add_argument("--held-out", type=int, default=d["held_out"],
-                   help=f"held-out items the finalists are compared on (default {d['held_out']})")
-    p.add_argument("--window", type=int, default=d["window"],
-                   help=f"tokens per item, BOS included: text window or retrieval context (default {d['window']})")
+    p.add_argument("--windows", type=int, default=None,
+                   help=f"search items: text windows, retrieval samples per task, or longctx episodes (default "
+                        f"{d['windows']}; longctx {LONGCTX_ITEMS})")
+    p.add_argument("--held-out", type=int, default=None,
+                   help=f"held-out items the finalists are compared on (default {d['held_out']}; longctx "
+                        f"{LONGCTX_ITEMS})")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"tokens per item, BOS included: text window or retrieval context (default {d['window']}; "
+                        f"longctx: the context length, default {LONGCTX_WINDOW})")
     p.add_argument("--prefill", type=int, default=d["prefill"],
                    help=f"text: tokens prefilled per window before decoding (default {d['prefill']})")
     p.add_argument("--batch", type=int, default=d["batch"], help=f"text windows decoded together (default {d['batch']})")
@@ -55,6 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """Raise ``ValueError`` (one line: the option, the valid range, the value) before anything loads."""
+    if getattr(args, "workload", None) is None:
+        args.workload = "perplexity" if args.model else "retrieval"
+    longctx = args.workload == "longctx"
+    if args.window is None:
+        args.window = LONGCTX_WINDOW if longctx else DEFAULTS["window"]
+    for k in ("windows", "held_out"):
+        if getattr(args, k) is None:
+            setattr(args, k, LONGCTX_ITEMS if longctx else DEFAULTS[k])
     if args.quick:
         for k, v in {"windows": 2, "held_out": 2, "candidates": 12}.items():
             if getattr(args, k) == DEFAULTS[k]:
@@ -67,6 +92,10 @@ def check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
     if not args.max_minutes > 0:
         raise ValueError(f"--max-minutes must be > 0, got {args.max_minutes:g}")
+    if args.workload in ("perplexity", "longctx") and not args.model:
+        raise ValueError(f"--workload {args.workload} needs --model (an mlx-lm model folder or Hugging Face id)")
+    if args.workload == "retrieval" and args.model:
+        raise ValueError("--workload retrieval tunes the embedded retrieval model; leave --model out")
     if args.data and not args.model:
         raise ValueError("--data needs --model (without --model the embedded retrieval model is tuned on "
                          "its own samples)")
@@ -75,7 +104,10 @@ def check_args(args) -> None:
     if not args.budget < args.window - 1:
         raise ValueError(f"--budget must be below the tokens an item holds (--window {args.window} - 1), "
                          f"or nothing is compressed; got {args.budget}")
-    if args.data and not Path(args.data).is_file():
+    if args.workload == "longctx":
+        if args.data and not Path(args.data).is_dir():
+            raise ValueError(f"--data: no folder at {args.data} (longctx reads a folder of .txt files)")
+    elif args.data and not Path(args.data).is_file():
         raise ValueError(f"--data: no file at {args.data}")
     if args.methods is not None:
         from kvcompress import get_registry
@@ -104,10 +136,18 @@ def _workload(args):
                                  seed=args.seed, source=f"embedded:{ASSET_DIR.name}"), f"embedded:{ASSET_DIR.name}"
     import mlx_lm
 
-    text, where = load_text(args.data)
     local = Path(args.model).expanduser()
     if (local.exists() or args.model.startswith((".", "/", "~"))) and not (local / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no mlx-lm model folder there (config.json missing)")
+    if args.workload == "longctx":
+        from kvcompress.bench.longctx import load_chat_model
+
+        from .workloads import LongctxWorkload
+
+        model, tokenizer = load_chat_model(args.model)
+        return LongctxWorkload(model, tokenizer, length=args.window, episodes=args.windows, heldout=args.held_out,
+                               text_dir=args.data, seed=args.seed, source=args.model), Path(args.model).name
+    text, where = load_text(args.data)
     try:
         model, tokenizer = mlx_lm.load(args.model)
     except Exception as exc:  # a missing folder, an unknown id, no network
@@ -130,9 +170,9 @@ def run(args) -> int:
     result = run_search(workload, args.budget, methods=args.methods, candidates=args.candidates,
                         max_seconds=args.max_minutes * 60, finalists=args.finalists,
                         allow_over=args.allow_over_budget, progress=not args.no_progress)
-    settings = {k: getattr(args, k) for k in ("model", "budget", "data", "methods", "candidates", "max_minutes",
-                                              "finalists", "windows", "held_out", "window", "prefill", "batch",
-                                              "seed", "allow_over_budget")}
+    settings = {k: getattr(args, k) for k in ("model", "workload", "budget", "data", "methods", "candidates",
+                                              "max_minutes", "finalists", "windows", "held_out", "window", "prefill",
+                                              "batch", "seed", "allow_over_budget")}
     settings["model_name"] = model_name
     payload = {"benchmark": "tune", "machine": machine_info(), "settings": settings,
                "workload": workload.describe(), **result}

@@ -17,6 +17,11 @@ the same items, with the standard error of those differences (:func:`paired_gap`
   (:func:`~kvcompress.bench.retrieval.make_samples`, :func:`~kvcompress.bench.retrieval.evaluate`),
   prompt prefilled in chunks of 64 so evictions are blind to the question; loss = fraction of a
   sample's questions answered wrong. Held-out samples use the next seed.
+* :class:`LongctxWorkload` (``--workload longctx``): ``kvcompress bench longctx``'s episodes on a
+  chat model (:func:`~kvcompress.bench.longctx.make_episodes`), the context read in chunks before
+  any question, then asked one request per question and as a conversation
+  (:func:`~kvcompress.bench.longctx.measure`); loss = fraction of an episode's questions answered
+  wrong over both protocols. Held-out episodes use the next seed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Callable, Optional, Sequence
 import attrs
 import numpy as np
 
-__all__ = ["DEFAULT_TEXT", "Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload", "load_text"]
+__all__ = ["DEFAULT_TEXT", "Measurement", "paired_gap", "TextWorkload", "RetrievalWorkload", "LongctxWorkload",
+           "load_text"]
 
 SPLITS = ("warmup", "search", "heldout")
 
@@ -158,6 +164,57 @@ class RetrievalWorkload:
             kept.append(_kept(cache))
         return Measurement(np.concatenate(losses), float(np.mean(nbytes)), float(np.mean(kept)),
                            time.perf_counter() - t0)
+
+
+class LongctxWorkload:
+    """Long-context tasks on a chat model (see the module docstring)."""
+
+    kind = "longctx"
+    loss_name = "error rate"
+
+    def __init__(self, model, tokenizer, *, length: int = 2048, episodes: int = 2, heldout: int = 2,
+                 text_dir: Optional[str] = None, seed: int = 0, source: str = "", **settings):
+        from kvcompress.bench._longctx_run import eos_ids
+        from kvcompress.bench.longctx import DEFAULTS, check_settings, make_episodes
+        from kvcompress.bench.longctx_text import ChatFormat, TextSource
+
+        self.model, self.tokenizer, self.length = model, tokenizer, length
+        self.settings = {**DEFAULTS, **settings, "lengths": (length,), "seed": seed, "episodes": episodes}
+        check_settings(self.settings)
+        self.text = TextSource.from_dir(text_dir)
+        self.fmt = ChatFormat.for_tokenizer(tokenizer, self.settings["chat_template"])
+        self.stop = eos_ids(tokenizer)
+        held = {**self.settings, "seed": seed + 1, "episodes": heldout}
+        self.items = {"search": make_episodes(tokenizer, self.fmt, self.text, self.settings, length),
+                      "heldout": make_episodes(tokenizer, self.fmt, self.text, held, length)}
+        self.items["warmup"] = self.items["search"][:1]
+        self.source, self.seed = source, seed
+
+    def describe(self) -> dict:
+        st = self.settings
+        return {"workload": self.kind, "model": self.source, "text": self.text.where, "length": self.length,
+                "tasks": list(st["tasks"]), "protocols": list(st["protocols"]), "chunk": st["chunk"],
+                "question_aware": st["question_aware"], "episodes": len(self.items["search"]),
+                "heldout": len(self.items["heldout"]), "seed": self.seed}
+
+    def ratio(self, gap: float) -> float:
+        """What a gap means to a user: the accuracy lost (a fraction of questions)."""
+        return gap
+
+    def measure(self, make_cache: Callable[[], list], split: str) -> Measurement:
+        from kvcompress.bench._longctx_report import scores
+        from kvcompress.bench.longctx import measure
+
+        _check_split(split)
+        eps = self.items[split]
+        t0 = time.perf_counter()
+        m = measure(self.model, self.tokenizer, self.fmt, eps, make_cache, self.settings, self.stop, None)
+        wrong = np.zeros(len(eps))
+        for answers in m["answers"].values():
+            exact, _ = scores(eps, answers)
+            at = np.cumsum([0] + [len(e.questions) for e in eps])
+            wrong += np.array([1.0 - exact[at[i]:at[i + 1]].mean() for i in range(len(eps))])
+        return Measurement(wrong / len(m["answers"]), m["kv_bytes"], m["kept"], time.perf_counter() - t0)
 
 
 #: The text ``--model`` runs are scored on without ``--data``: 45 KB of plain English prose
