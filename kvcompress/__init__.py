@@ -13,7 +13,7 @@ from ._state import derived_field, rows_field
 from .batch_cache import BatchCompressedKVCache
 from .cache import CompressedKVCache
 from .components import Budget, ComponentSpec, Disposition, MethodSpec, Scorer, Selector
-from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Selection
+from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Predictions, Selection
 from .config import ComponentConfig, MethodConfig, load_config
 from .errors import CompositionError, ConfigError, KVCompressError, PluginError
 from .factory import KVCacheBuilder, KVCacheConfig, attach, detach, make_prompt_cache, model_info
@@ -51,6 +51,7 @@ __all__ = [
     "ModelInfo",
     "Observation",
     "PluginError",
+    "Predictions",
     "Registry",
     "Scorer",
     "Selection",

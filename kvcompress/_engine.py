@@ -63,7 +63,16 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._needs_queries = "queries" in method.scorer.requires
         # the step's input token ids, handed over by the model hook (mlxlm/attention.py) before
         # the model runs; scoring passes (_scoring_pass.py) and their whole-model cost
-        self._wants_tokens = "tokens" in method.scorer.requires
+        # the model's next-token log-probabilities after each call (contexts.Predictions): they
+        # are indexed by the call's token ids, so such a scorer gets those too
+        self._wants_predictions = "predictions" in method.scorer.requires
+        self._wants_tokens = "tokens" in method.scorer.requires or self._wants_predictions
+        self._undo_predictions = None  # the last step's, while it can be trimmed
+        if self._wants_predictions and "observe_predictions" not in self._hooks["scorer"]:
+            raise ConfigError(
+                f"scorer {type(method.scorer).__name__} requires 'predictions' but defines no "
+                "observe_predictions(scores, obs) hook to receive them"
+            )
         self._has_passes = "pass_tokens" in self._hooks["scorer"]
         self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
         self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)

@@ -181,8 +181,32 @@ class _AttendMixin:
         keep_q = S <= UNDO_TOKENS and not proxy
         self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
         self._undo_tokens, self._step_tokens = self._step_tokens, None
+        self._undo_predictions = None
         if not proxy:
             self._plan_next()
+
+    def observe_predictions(self, predictions) -> None:
+        """The model's :class:`~kvcompress.Predictions` over the call this layer just stepped
+        in (scorers that require ``predictions``): the scorer's ``observe_predictions`` hook
+        rescores before the next step can evict. Kept, for a short step, so that ``trim`` can
+        re-observe what stays."""
+        if self._pending is not None:  # a model whose attention bypassed the wrapper
+            self._unobserved_step()
+        S, valid, qpos, _, _, scale, _ = self._undo
+        obs = Observation(
+            queries=None, keys=self.keys_and_values()[0], positions=self._positions(),
+            query_positions=self._qpos(S) if qpos is None else qpos, n_new=S, scale=scale,
+            offset=self._offset(), offsets=tuple(self._seen()), layer=self.info, n_valid=tuple(valid),
+            state=_state.snapshot(self._states["scorer"]), tokens=self._undo_tokens,
+            predictions=predictions, group=self.group, owner=self._owner(), heads_per_row=self._g,
+        )
+        score = self._hooks["scorer"]["observe_predictions"](self._score, obs)
+        self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
+        self._states["scorer"] = obs.state
+        # False: observed, but too long a step to keep (trim may then only remove all of it)
+        self._undo_predictions = predictions if predictions.steps is not None else False
+        if not self._undo[-1]:
+            self._plan_next()  # the plan read the scores before these predictions: read them again
 
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when

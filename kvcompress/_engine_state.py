@@ -113,6 +113,8 @@ class _StateMixin:
         S, valid, _, _, queries, _, _ = self._undo
         if n > S or any(x != S for x in valid):
             return False
+        if self._undo_predictions is False and n < S:
+            return False
         return queries is not None or not self._needs_queries or n == S
 
     def trim(self, n: int) -> int:
@@ -153,7 +155,12 @@ class _StateMixin:
         if keep:
             self._pending = (keep, [keep] * len(self._rows_n), None)
             self._step_tokens = None if tokens is None else tokens[:, :keep]
+            pred, self._undo_predictions = self._undo_predictions, None
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
+            if pred:
+                self.observe_predictions(pred.truncated(keep))
+        else:
+            self._undo_predictions = None
         return n
 
     def _meta(self) -> dict:

@@ -31,10 +31,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from . import _state, ops
-from .contexts import Observation
+from .contexts import Observation, Predictions
 from .errors import KVCompressError
 
-__all__ = ["PassView", "before_call", "MAX_PASSES"]
+__all__ = ["PassView", "before_call", "after_call", "MAX_PASSES"]
 
 #: passes one model call may run before the scorer is considered stuck
 MAX_PASSES = 100_000
@@ -178,3 +178,26 @@ def before_call(call: Callable[[mx.array, list], Any], cache_list, inputs) -> No
         c._hooked = c._has_passes or c._wants_tokens
         if c._wants_tokens:
             c._tokens = tok
+
+
+def after_call(cache_list, logits) -> None:
+    """What the model hook does after a model call: hand the model's next-token predictions
+    (:class:`~kvcompress.Predictions`, computed once) to the caches whose scorer requires
+    ``"predictions"``, before the next call can evict the call's tokens."""
+    if not isinstance(cache_list, (list, tuple)):
+        return
+    engines = [c for c in _engines(cache_list) if c._wants_predictions]
+    if not engines:
+        return
+    first = engines[0]
+    tok = first._undo_tokens
+    if tok is None or not isinstance(logits, mx.array) or logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(tok.shape):
+        shape = getattr(logits, "shape", type(logits).__name__)
+        raise KVCompressError(
+            f"scorer {type(first.method.scorer).__name__} scores tokens by the model's predictions, but the "
+            f"model call returned {shape!r} where logits [B, N, vocab] for its {None if tok is None else tuple(tok.shape)} "
+            "input ids were expected; this model cannot use this method"
+        )
+    pred = Predictions.from_logits(tok, logits, tuple(first._last_valid))
+    for c in engines:
+        c.observe_predictions(pred)

@@ -52,8 +52,10 @@ KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
 #: step's attention (only done when a scorer requires it); ``layer_io``: the layer's input and
 #: attention output during a prompt's first forward (see :meth:`BudgetHooks.observe_layer`);
 #: ``tokens``: the step's input token ids (:attr:`Observation.tokens`), handed over by the model
-#: hook that :func:`kvcompress.install` gives the model.
-CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens"})
+#: hook that :func:`kvcompress.install` gives the model; ``predictions``: the model's next-token
+#: log-probabilities over each call (:class:`~kvcompress.Predictions`, see
+#: :meth:`ScorerHooks.observe_predictions`), handed over by the same hook after the call.
+CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens", "predictions"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +220,13 @@ class ScorerHooks:
         None). Cost: ``scoring_passes``, ``scoring_pass_tokens``, ``scoring_pass_seconds`` in
         ``cache.diagnostics``."""
 
+    def observe_predictions(self, scores: mx.array, obs) -> mx.array:
+        """Requires ``predictions``: after the model call whose step :meth:`Scorer.observe` saw,
+        the same step's :class:`~kvcompress.Observation` with ``predictions`` (the model's
+        log-probabilities over the call, computed once for all layers) and ``tokens``; return
+        the new scores ``[B, H, T]`` (assign ``obs.state`` to change the state). Runs before any
+        eviction of the next step, so the step's tokens are scored before they can leave."""
+
 
 class SelectorHooks:
     def evict_count(self, n_evict: int) -> int:
@@ -266,7 +275,7 @@ REQUIRED_HOOKS = {
 _COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
 #: Optional hook names per kind (see the *Hooks classes above for their signatures).
 OPTIONAL_HOOKS = {
-    "scorer": _COMMON + ("pass_tokens",),
+    "scorer": _COMMON + ("pass_tokens", "observe_predictions"),
     "selector": _COMMON + ("evict_count", "head_group"),
     "disposition": _COMMON + ("attend", "view_keys", "plan", "apply"),
     "budget": _COMMON + ("observe_layer", "rebudget"),

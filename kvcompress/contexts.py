@@ -14,7 +14,7 @@ from typing import Any, Optional
 import attrs
 import mlx.core as mx
 
-__all__ = ["ModelInfo", "LayerInfo", "Observation", "Selection", "Eviction"]
+__all__ = ["ModelInfo", "LayerInfo", "Observation", "Predictions", "Selection", "Eviction"]
 
 
 @attrs.frozen
@@ -56,6 +56,49 @@ class LayerInfo:
         return mx.arange(self.head_offset, self.head_offset + h, dtype=mx.uint32).reshape(1, h, 1)
 
 
+#: the first ``n`` steps at most whose per-token log-probabilities :class:`Predictions` keep
+#: (a trimmed step is re-observed from them)
+KEEP_STEPS = 16
+
+
+@attrs.frozen
+class Predictions:
+    """The model's next-token log-probabilities over one call, computed once for every layer
+    (capability ``predictions``, handed over by the model hook after the call).
+
+    surprisal: ``[B, N]`` float32, ``-log p(x_i | x_<i)`` of input token ``i`` given the tokens
+        before it in the same call (``i >= 1``); column 0 is NaN (its prediction came from the
+        previous call: a scorer keeps what it needs of ``last`` in its state).
+    last: ``[B, V]`` float32 log-probabilities after each row's last real input token: the
+        distribution the next call's first token is drawn from.
+    steps: ``[B, N, V]`` float32 log-probabilities after every input token, kept only for calls
+        of at most :data:`KEEP_STEPS` tokens (so that a trimmed step can be re-observed), else None.
+    """
+
+    surprisal: mx.array
+    last: mx.array
+    steps: Optional[mx.array] = None
+
+    @classmethod
+    def from_logits(cls, tokens: mx.array, logits: mx.array, n_valid: tuple) -> "Predictions":
+        """From one call's input ids ``[B, N]`` and output logits ``[B, N, V]``; row ``b``'s real
+        tokens are its first ``n_valid[b]``."""
+        b, n = tokens.shape
+        z = logits.astype(mx.float32)
+        lse = mx.logsumexp(z, axis=-1, keepdims=True)  # [B, N, 1]
+        nxt = mx.take_along_axis(z[:, :-1], mx.maximum(tokens[:, 1:], 0)[..., None].astype(mx.int32), axis=-1)
+        surprisal = mx.concatenate([mx.full((b, 1), mx.nan, mx.float32), (lse[:, :-1] - nxt)[..., 0]], axis=1)
+        last_i = mx.array([max(v - 1, 0) for v in n_valid], dtype=mx.int32).reshape(-1, 1, 1)
+        last = (mx.take_along_axis(z, last_i, axis=1) - mx.take_along_axis(lse, last_i, axis=1))[:, 0]
+        return cls(surprisal, last, (z - lse) if n <= KEEP_STEPS else None)
+
+    def truncated(self, keep: int) -> "Predictions":
+        """The predictions of the call's first ``keep`` tokens (every row real; needs ``steps``)."""
+        if self.steps is None:
+            raise ValueError("these predictions keep no per-token log-probabilities to truncate")
+        return Predictions(self.surprisal[:, :keep], self.steps[:, keep - 1], self.steps[:, :keep])
+
+
 @attrs.define(slots=True, kw_only=True)
 class Observation:
     """What a scorer sees after one attention step of one layer.
@@ -77,6 +120,8 @@ class Observation:
     scoring_pass: the step is a scoring pass (see ``pass_tokens``): ``keys``/``positions`` hold
         the stored slots followed by the pass's ``N`` tokens, and only the scores of the stored
         slots are kept.
+    predictions: the model's log-probabilities over the call (:class:`Predictions`), only in
+        the ``observe_predictions`` hook of scorers that require ``"predictions"``.
     """
 
     queries: mx.array
@@ -103,6 +148,7 @@ class Observation:
     state: Any = None
     tokens: Optional[mx.array] = None
     scoring_pass: bool = False
+    predictions: Optional[Predictions] = None
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
 

@@ -178,12 +178,15 @@ def _subclass(base: type, hook) -> type:
 def _model_call(base, model, args, kwargs):
     cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
     if isinstance(cache, (list, tuple)) and cache:
-        from .._scoring_pass import before_call
+        from .._scoring_pass import after_call, before_call
         from .fit import prepare_call
 
         prepare_call(model, cache)  # a list made for another model is refused before anything changes
         inputs = args[0] if args else kwargs.get("inputs")
         before_call(lambda ids, views: base.__call__(model, ids, cache=views), cache, inputs)
+        out = base.__call__(model, *args, **kwargs)
+        after_call(cache, out)
+        return out
     return base.__call__(model, *args, **kwargs)
 
 
