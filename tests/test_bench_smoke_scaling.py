@@ -10,8 +10,9 @@ import pytest
 
 import kvcompress
 
+# budget 80: every built-in method's defaults leave room to evict (selfinfo protects 78)
 TINY_SCALING = dict(
-    contexts=(160, 320), budgets=(64,), decode_tokens=4, decode_block=2, sync_tokens=2, prefill_step_size=32,
+    contexts=(192, 384), budgets=(80,), decode_tokens=4, decode_block=2, sync_tokens=2, prefill_step_size=32,
     n_layers=2,
     hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate=128, vocab=128, warmup=False,
 )
@@ -31,12 +32,12 @@ def test_scaling_covers_every_method_context_and_baseline(scaling_payload):
     kinds = {r["kind"] for r in res}
     assert kinds == set(reg.methods) | {"rotating", "full"}
     for kind in kinds:
-        assert sorted(r["context"] for r in res if r["kind"] == kind) == [160, 320]
+        assert sorted(r["context"] for r in res if r["kind"] == kind) == [192, 384]
     for r in res:
         assert r["decode_ms"] > 0 and r["prefill_s"] > 0
         # every decoded token (the first token, 4 pipelined + 2 synchronous per checkpoint) stays
         # in the context
-        assert r["tokens_seen"] == r["context"] + (7 if r["context"] == 160 else 14)
+        assert r["tokens_seen"] == r["context"] + (7 if r["context"] == 192 else 14)
         assert r["decode_ms_sync"] > 0
         assert r["peak_bytes"] >= scaling_payload["weights_bytes"] + r["cache_bytes"]
         assert r["live_bytes"] <= r["cache_bytes"]
@@ -48,19 +49,19 @@ def test_scaling_covers_every_method_context_and_baseline(scaling_payload):
 def test_scaling_bounded_caches_stay_flat_and_full_grows(scaling_payload):
     reg = kvcompress.get_registry()
     by = {(r["kind"], r["context"]): r for r in scaling_payload["results"]}
-    full_small, full_big = by[("full", 160)], by[("full", 320)]
+    full_small, full_big = by[("full", 192)], by[("full", 384)]
     assert full_big["stored_tokens"] == full_big["tokens_seen"]
     assert full_big["live_bytes"] == full_small["live_bytes"] * 334 // 167
     for kind in [*reg.methods, "rotating"]:
         if kind in reg.methods and reg.methods[kind].spec.disposition == "kivi_quant":
             # quantized tokens are kept: bytes grow, but slower than the full cache's
-            grow = by[(kind, 320)]["live_bytes"] - by[(kind, 160)]["live_bytes"]
+            grow = by[(kind, 384)]["live_bytes"] - by[(kind, 192)]["live_bytes"]
             assert 0 < grow < full_big["live_bytes"] - full_small["live_bytes"], kind
             continue
         # past every layer's budget (pyramids give the first layer up to ~2x) the held bytes do
         # not grow with the context (chunk selectors hold a few tokens less, varying with the cut)
-        assert 0.9 <= by[(kind, 320)]["cache_bytes"] / by[(kind, 160)]["cache_bytes"] <= 1.02, kind
-        assert by[(kind, 320)]["live_bytes"] < full_small["live_bytes"], kind
+        assert 0.9 <= by[(kind, 384)]["cache_bytes"] / by[(kind, 192)]["cache_bytes"] <= 1.02, kind
+        assert by[(kind, 384)]["live_bytes"] < full_small["live_bytes"], kind
 
 
 def test_scaling_summary_ratios_and_table(scaling_payload, tmp_path):
@@ -69,14 +70,14 @@ def test_scaling_summary_ratios_and_table(scaling_payload, tmp_path):
     summ = {r["kind"]: r for r in scaling_payload["summary"]}
     assert set(summ) == {r["kind"] for r in scaling_payload["results"]}
     for kind, r in summ.items():
-        assert r["context"] == 320
+        assert r["context"] == 384
         if kind == "rotating":
             continue
         for key in ("decode_ratio", "decode_ratio_sync", "prefill_ratio", "cache_ratio", "peak_ratio"):
             assert r[key] > 0 and math.isfinite(r[key]), (kind, key)
         if kind != "full":
             assert r["decode_target_met"] == (r["decode_ratio"] >= 0.9)
-    assert summ["full"]["cache_ratio"] > 1.5  # 320 + 14 tokens against a 64-token window
+    assert summ["full"]["cache_ratio"] > 1.5  # 384 + 14 tokens against an 80-token window
     cols, rows = scaling.summary_table(scaling_payload)
     assert len(rows) == len(summ) and all(len(r) == len(cols) for r in rows)
     assert "| cache |" in scaling.markdown_report(scaling_payload)
@@ -93,3 +94,19 @@ def test_scaling_settings_reject_bad_input():
         scaling.ScalingSettings(budgets=(256,), full_budget=512)
     with pytest.raises(ValueError, match="unknown methods"):
         scaling.run_scaling(scaling.ScalingSettings(**{**TINY_SCALING, "methods": ("no_such_method",)}))
+
+
+def test_scaling_runs_a_real_model(stories_model):
+    """``--model``: the same protocol on an mlx-lm model from disk (the issue's 8k run on
+    SmolLM2), its shape read from the model and its vocabulary used for the prompt."""
+    from conftest import models_dir
+
+    from kvcompress.bench import scaling
+
+    s = scaling.ScalingSettings(**{**TINY_SCALING, "model": str(models_dir() / "stories260K"), "methods": ("snapkv",)})
+    payload = scaling.run_scaling(s)
+    assert payload["errors"] == []
+    assert payload["model_shape"] == {"n_layers": 5, "hidden": 64, "n_heads": 8, "n_kv_heads": 4, "head_dim": 8,
+                                      "vocab": 512}
+    assert {r["kind"] for r in payload["results"]} == {"snapkv", "rotating", "full"}
+    assert "stories260K" in scaling.caption(payload) and "intermediate" not in scaling.caption(payload)

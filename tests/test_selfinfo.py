@@ -1,0 +1,174 @@
+"""selfinfo (Selective Context) and the ``predictions`` capability: scores equal the model's own
+surprisal, across calls, batch rows with padding and trims; what leaves; refusals."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvcompress
+from kvcompress import Predictions
+from kvcompress.mlxlm.attention import base_class
+from kvcompress_selfinfo import UNKNOWN, SelfInfoScorer
+
+from conftest import tiny_llama
+
+
+def _ids(n, seed=0, vocab=97):
+    return mx.array(np.random.default_rng(seed).integers(1, vocab, (1, n)), dtype=mx.int32)
+
+
+def _surprisal(model, ids):
+    """NumPy reference: ``-log p(x_t | x_<t)`` of every token of ``ids`` [1, n] from one
+    uncompressed forward (index t; t = 0 has none)."""
+    logits = model(ids).astype(mx.float32)
+    lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0].astype(np.float64)
+    tok = np.array(ids)[0]
+    return np.concatenate([[np.nan], -lp[np.arange(len(tok) - 1), tok[1:]]])
+
+
+def _slots(layer_cache):
+    """Host ``(positions [B, H, T], scores [B, H, T])`` from the cache's public state."""
+    st = layer_cache.state
+    return np.array(st[-3]), np.array(st[-2])
+
+
+def _check_scores(cache, ref, rows=None):
+    for c in cache:
+        pos, score = _slots(c)
+        for b in range(pos.shape[0]) if rows is None else rows:
+            for p, s in zip(pos[b].ravel(), score[b].ravel()):
+                if p < 0:
+                    continue
+                want = UNKNOWN if p == 0 else ref[p]
+                assert s == pytest.approx(want, rel=1e-4, abs=1e-4), (b, p)
+        assert score.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [(24,), (10, 9, 5), (1, 1, 7, 15)])
+def test_scores_are_the_models_surprisal_across_calls(kv_heads, chunks, dtype):
+    """Every stored slot's score is -log p(token | prefix) of the uncompressed model, whether its
+    prediction came from the same call or from the call before (top_k = vocab: exact), in float32
+    whatever the model's dtype."""
+    model = tiny_llama(kv_heads=kv_heads, n_layers=3, dtype=dtype)
+    ids = _ids(sum(chunks))
+    ref = _surprisal(model, ids)
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=97)
+    at = 0
+    for n in chunks:
+        mx.eval(model(ids[:, at : at + n], cache=cache))
+        at += n
+    _check_scores(cache, ref)
+
+
+def test_top_k_bounds_a_first_token_outside_it():
+    """With top_k = 1, a call's first token that is not the previous prediction's argmax gets
+    the argmax's information: a lower bound on its own."""
+    model = tiny_llama()
+    ids = _ids(12, seed=3)
+    ref = _surprisal(model, ids)
+    logits = model(ids[:, :6])[0, -1].astype(mx.float32)
+    lp = np.array(logits - mx.logsumexp(logits))
+    assert int(np.argmax(lp)) != int(ids[0, 6])  # the case under test
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=1)
+    model(ids[:, :6], cache=cache)
+    mx.eval(model(ids[:, 6:], cache=cache))
+    pos, score = _slots(cache[0])
+    got = score[0, 0][pos[0, 0] == 6][0]
+    assert got == pytest.approx(-lp.max(), rel=1e-5) and got <= ref[6] + 1e-5
+
+
+def test_eviction_keeps_the_most_informative_chunks():
+    """Over budget, the chunk selector drops whole chunks of 16 with the least summed
+    information (Eq. 3), sinks and the recent window kept."""
+    model = tiny_llama()
+    ids = _ids(160, seed=5)
+    ref = _surprisal(model, ids)
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=96, top_k=97)
+    mx.eval(model(ids[:, :128], cache=cache))
+    mx.eval(model(ids[:, 128:129], cache=cache))  # the deferred eviction runs
+    pos, _ = _slots(cache[0])
+    kept = set(int(p) for p in pos[0, 0] if p >= 0)
+    assert len(kept) <= 96 and {0, 1, 2, 3} <= kept and set(range(128 - 32, 129)) <= kept
+    unprotected = range(1, 6)  # chunks 16..95 may leave (sinks: chunk 0; recent: from 96)
+    sums = {q: ref[q * 16 : q * 16 + 16].sum() for q in unprotected}
+    gone = [q for q in unprotected if not any(p in kept for p in range(q * 16, q * 16 + 16))]
+    stay = [q for q in unprotected if q not in gone]
+    assert gone and stay and max(sums[q] for q in gone) <= min(sums[q] for q in stay)
+
+
+def test_trim_is_exact():
+    """Speculative decoding: a trimmed step leaves the scores and the state of a cache that never
+    saw the removed tokens (the kept ones re-observed from the step's own predictions)."""
+    model = tiny_llama()
+    ids = _ids(30, seed=7)
+    a = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=8)
+    b = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=8)
+    model(ids[:, :20], cache=a)
+    model(ids[:, :20], cache=b)
+    model(ids[:, 20:26], cache=a)
+    assert all(c.trim(4) == 4 for c in a)
+    model(ids[:, 20:22], cache=b)
+    for x in (a, b):
+        mx.eval(model(ids[:, 22:23], cache=x))
+    for ca, cb in zip(a, b):
+        for u, v in zip(ca.state[:-1], cb.state[:-1]):
+            assert np.allclose(np.array(u), np.array(v), equal_nan=True)
+
+
+def test_a_call_without_the_model_hook_is_refused_unchanged():
+    model = tiny_llama()
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096)
+    model(_ids(5), cache=cache)
+    before = [np.array(a) for a in cache[0].state[:-1]]
+    with pytest.raises(kvcompress.KVCompressError, match="kvcompress.install"):
+        base_class(model).__call__(model, mx.array([[6]]), cache=cache)
+    assert all(np.array_equal(x, np.array(y)) for x, y in zip(before, cache[0].state[:-1]))
+
+
+def test_predictions_from_logits_match_a_reference():
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.standard_normal((2, 5, 11)).astype(np.float32))
+    tok = mx.array(rng.integers(0, 11, (2, 5)), dtype=mx.int32)
+    p = Predictions.from_logits(tok, logits, (5, 3))
+    lp = np.array(logits) - np.log(np.exp(np.array(logits)).sum(-1, keepdims=True))
+    want = -np.take_along_axis(lp[:, :-1], np.array(tok)[:, 1:, None], -1)[..., 0]
+    assert np.isnan(np.array(p.surprisal)[:, 0]).all()
+    assert np.allclose(np.array(p.surprisal)[:, 1:], want, atol=1e-5)
+    assert np.allclose(np.array(p.last), lp[[0, 1], [4, 2]], atol=1e-5)  # each row's last real token
+    t = p.truncated(2)
+    assert np.allclose(np.array(t.last), lp[:, 1], atol=1e-5) and t.surprisal.shape == (2, 2)
+
+
+def test_a_scorer_requiring_predictions_needs_the_hook():
+    import attrs
+    from typing import ClassVar
+
+    @attrs.frozen
+    class Needy:
+        requires: ClassVar[frozenset] = frozenset({"predictions"})
+        provides: ClassVar[frozenset] = frozenset()
+
+        def observe(self, scores, obs):
+            return scores
+
+    spec = kvcompress.ComponentSpec("scorer", "needy_pred", Needy, "test")
+
+    class P:
+        @kvcompress.hookimpl
+        def kvcompress_scorers(self):
+            return [spec]
+
+    reg = kvcompress.Registry(plugins=[("needy_pred_plugin", P())])
+    m = kvcompress.build_method({"scorer": "needy_pred", "selector": "lowest", "disposition": "drop",
+                                 "budget": "uniform"}, registry=reg)
+    with pytest.raises(kvcompress.ConfigError, match="observe_predictions"):
+        kvcompress.CompressedKVCache(m, 64)
+
+
+def test_selfinfo_scorer_validates():
+    with pytest.raises((TypeError, ValueError)):
+        SelfInfoScorer(top_k=0)
