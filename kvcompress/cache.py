@@ -81,12 +81,14 @@ class CompressedKVCache(_Engine):
         return create_causal_mask(N, self._held_after(N))
 
     def _held_after(self, N: int) -> int:
-        """Tokens this cache will hold before appending a step of ``N`` (after its eviction)."""
+        """Tokens per KV head this cache will hold before appending a step of ``N`` (after its
+        eviction): the step's own rule (``_need``, head groups included), never a copy of it."""
         if not self._rows_n:
             return 0
-        need = [max(n - (b - 1), 0) if n + N > b else 0 for n, b in zip(self._rows_n, self._rows_budget)]
+        need = self._need([N] * len(self._rows_n))
         count = self._hooks["selector"].get("evict_count")
-        return max(n - (int(count(e)) if count and e else e) for n, e in zip(self._rows_n, need))
+        slots = max(n - (int(count(e)) if count and e else e) for n, e in zip(self._rows_n, need))
+        return -(-slots // max(self._g, 1))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's ``kv_bits`` quantizes a full cache; it cannot wrap a compressed one."""

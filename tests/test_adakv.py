@@ -173,3 +173,27 @@ def test_composes_with_a_query_free_scorer_and_refuses_one_that_mixes_heads():
     with pytest.raises(CompositionError, match="head_groups"):
         kvcompress.make_prompt_cache(model, None, scorer="tova", selector="adaptive",
                                      disposition="drop", budget={"name": "uniform", "budget": 16})
+
+
+@pytest.mark.parametrize("prompt", [20, 31, 40, 60])
+@pytest.mark.parametrize("step", [1, 4, 9])
+def test_make_mask_width_is_the_step_rule_with_head_groups(prompt, step):
+    """Bug (issue 24): ``make_mask`` re-derived the eviction count without the head-group
+    factor, so a 20-token adakv cache of budget 32 (40 slots for 2 heads) predicted 35 keys for
+    a 4-token step that attends 24. The width asked before a step is what the step attends, as
+    for snapkv with the same budget."""
+    model = tiny_llama(kv_heads=2)
+    widths = {}
+    for method in ("snapkv", "adakv"):
+        cache = kvcompress.make_prompt_cache(model, method, budget=32, recent=4)
+        ids = mx.array(np.random.default_rng(prompt).integers(1, 90, (1, prompt + step)), dtype=mx.int32)
+        model(ids[:, :prompt], cache=cache)
+        predicted = [c.make_mask(step, return_array=True) for c in cache]
+        model(ids[:, prompt:], cache=cache)
+        for c, m in zip(cache, predicted):
+            if step == 1:
+                assert m is None
+                continue
+            assert m.shape == (step, c.size()), (method, m.shape, c.size())
+        widths[method] = [c.size() for c in cache]
+    assert widths["adakv"] == widths["snapkv"]
