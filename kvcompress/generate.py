@@ -57,17 +57,27 @@ def seed_int(text: str) -> int:
     return value
 
 
-def _param(text: str) -> tuple[str, Any]:
-    """argparse type: ``NAME=VALUE``, the value parsed as JSON, else kept as a string."""
-    import json
+_PY_WORDS = {"True": True, "False": False, "None": None}
 
+
+def param_value(raw: str) -> Any:
+    """A parameter's command-line value: JSON (``8``, ``0.5``, ``true``, ``[1, 2]``), Python's
+    ``True`` / ``False`` / ``None`` as written in the method tables, else the string itself."""
+    raw = raw.strip()
+    if raw in _PY_WORDS:
+        return _PY_WORDS[raw]
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _param(text: str) -> tuple[str, Any]:
+    """argparse type: ``NAME=VALUE``, the value as :func:`param_value` reads it."""
     name, eq, raw = text.partition("=")
     if not eq or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        return name.strip(), json.loads(raw)
-    except json.JSONDecodeError:
-        return name.strip(), raw
+    return name.strip(), param_value(raw)
 
 
 def add_method_arguments(p: argparse.ArgumentParser) -> None:

@@ -244,6 +244,9 @@ def test_variants_run_next_to_the_defaults_and_bad_ones_are_refused(tiny, source
     from kvcompress.bench._variants import cache_entries, variant
 
     assert variant("snapkv:kernel=11,recent=8,pooling=avg") == ("snapkv", {"kernel": 11, "recent": 8, "pooling": "avg"})
+    # the method tables print Python's words: they read back as what they say
+    assert variant("cam:merge_gate=False,merge_keys=true,seed=None") == (
+        "cam", {"merge_gate": False, "merge_keys": True, "seed": None})
     for bad in ("snapkv", "snapkv:", ":kernel=3", "snapkv:kernel"):
         with pytest.raises(argparse.ArgumentTypeError, match="METHOD:NAME=VALUE"):
             variant(bad)

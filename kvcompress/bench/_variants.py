@@ -5,9 +5,9 @@ default without editing code)."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, Sequence
 
+from ..generate import param_value
 from ._caches import entries, label
 
 __all__ = ["variant", "cache_entries"]
@@ -15,17 +15,14 @@ __all__ = ["variant", "cache_entries"]
 
 def variant(text: str) -> tuple[str, dict]:
     """argparse type: ``snapkv:kernel=11,recent=8`` -> ``("snapkv", {"kernel": 11, "recent": 8})``
-    (values parsed as JSON, else kept as strings)."""
+    (values as :func:`kvcompress.generate.param_value` reads them: JSON, ``True``/``False``/``None``, else strings)."""
     name, _, rest = text.partition(":")
     params: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in rest.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise argparse.ArgumentTypeError(f"expected METHOD:NAME=VALUE[,NAME=VALUE], got {text!r}")
-        try:
-            params[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.strip()] = raw
+        params[key.strip()] = param_value(raw)
     if not name.strip() or not params:
         raise argparse.ArgumentTypeError(f"expected METHOD:NAME=VALUE[,NAME=VALUE], got {text!r}")
     return name.strip(), params
