@@ -80,6 +80,9 @@ class ScalingSettings(ModelShape):
     decode_block: int = 8
     #: synchronous decode steps per checkpoint (one block; 0 = none)
     sync_tokens: int = 4
+    #: an mlx-lm model folder or Hugging Face id instead of the random Llama (dequantized after
+    #: loading, as the long-context workloads do); the shape settings then do not apply
+    model: Optional[str] = None
 
     def __attrs_post_init__(self):
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 1:
@@ -122,15 +125,17 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     quantized = [m for m in methods if m in QUANTIZED]
     methods = [m for m in methods if m not in QUANTIZED]
     t_start = time.perf_counter()
-    model = build_model(s)
+    model, shape = _model(s)
     install(model)
     weights = int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
-    prompt = random_tokens(s, s.contexts[-1])
-    decode_ids = random_tokens(s, 64, stream=2)
+    prompt = random_tokens(shape, s.contexts[-1])
+    decode_ids = random_tokens(shape, 64, stream=2)
     payload: dict[str, Any] = {
         "benchmark": "scaling", "machine": machine_info(), "settings": {**s.to_dict(), "methods": methods + quantized},
         "weights_bytes": weights, "results": [], "errors": [],
     }
+    if s.model:
+        payload["model_shape"] = {k: getattr(shape, k) for k in _SHAPE_KEYS}
     n_blocks = s.decode_tokens // s.decode_block
     warmed: set = set()
     n_kinds = len(methods) + 1
@@ -212,6 +217,27 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     return payload
 
 
+_SHAPE_KEYS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab")
+
+
+def _model(s: ScalingSettings):
+    """``(model, shape)``: the random Llama of the settings, or ``s.model`` loaded (dequantized)
+    with the shape read from its arguments (the prompt's ids are drawn from its vocabulary)."""
+    if not s.model:
+        return build_model(s), s
+    from .longctx import load_chat_model
+
+    model, _ = load_chat_model(s.model)
+    a = model.args
+    heads = a.num_attention_heads
+    shape = attrs.evolve(
+        s, n_layers=len(model.layers), hidden=a.hidden_size, n_heads=heads,
+        n_kv_heads=getattr(a, "num_key_value_heads", None) or heads,
+        head_dim=getattr(a, "head_dim", None) or a.hidden_size // heads, vocab=a.vocab_size,
+    )
+    return model, shape
+
+
 def _summarise(payload: dict, s: ScalingSettings) -> list[dict]:
     """Per (kind, pass budget) at the largest context, with ratios against rotating."""
     res = payload["results"]
@@ -265,9 +291,14 @@ def summary_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
 
 
 def caption(payload: dict) -> str:
-    keys = ("contexts", "budgets", "keep", "decode_tokens", "decode_block", "sync_tokens", "prefill_step_size", "dtype",
-            "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab")
-    return _caption(payload, keys, extra=f"; weights {payload['weights_bytes'] / 2**20:.0f} MB")
+    keys = ("contexts", "budgets", "keep", "decode_tokens", "decode_block", "sync_tokens", "prefill_step_size")
+    if payload["settings"].get("model"):
+        shape = payload["model_shape"]
+        extra = f"; model {payload['settings']['model']} ({', '.join(f'{k} {shape[k]}' for k in _SHAPE_KEYS)})"
+    else:
+        keys += ("dtype", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab")
+        extra = ""
+    return _caption(payload, keys, extra=f"{extra}; weights {payload['weights_bytes'] / 2**20:.0f} MB")
 
 
 def plot_scaling(payload: dict, path, budget: Optional[int] = None):
@@ -341,12 +372,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefill-step-size", type=int, help="prefill chunk (default 512)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights (default float32)")
     parser.add_argument("--n-layers", type=int, help="model layers (default 8)")
+    parser.add_argument("--model", help="an mlx-lm model folder or Hugging Face id instead of the random Llama "
+                        "(dequantized after loading; random prompt ids from its vocabulary)")
     add_output_arguments(parser, "scaling.json / scaling.png")
 
 
 def settings_from_args(args) -> ScalingSettings:
     return ScalingSettings(**options_given(args, ("contexts", "budgets", "methods", "full_budget", "decode_tokens",
-                                                  "prefill_step_size", "dtype", "n_layers"), QUICK))
+                                                  "prefill_step_size", "dtype", "n_layers", "model"), QUICK))
 
 
 def run(args) -> dict:
