@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -242,6 +243,14 @@ class _StateMixin:
     @meta_state.setter
     def meta_state(self, v):
         pass  # everything lives in ``state``
+
+    def component_state(self, kind: str) -> Any:
+        """The state of this cache's ``kind`` component (immutable by convention: replace it)."""
+        return self._states[kind]
+
+    def set_component_state(self, kind: str, state: Any) -> None:
+        """Replace the ``kind`` component's state (what its ``bind`` hook returned, at build)."""
+        self._states[kind] = state
 
     def size(self) -> int:
         """Tokens held per KV head (the widest row; with head groups, slots / heads per row)."""

@@ -206,8 +206,12 @@ class CommonHooks:
         ``states[i]``, which may be a fresh state that has not seen a step yet; default:
         concatenate rows fields)."""
 
-    def bind(self, model: Any, caches: list) -> None:
-        """Read static facts from the model into the caches' states (called once at build)."""
+    def bind(self, model: Any, layers: list, states: list) -> Optional[list]:
+        """Read static facts from the model, once at build: ``layers`` are the
+        :class:`~kvcompress.LayerInfo` of this process's compressed layers and ``states`` this
+        component's state in each (from ``init_state``), in order. Return the new states, one per
+        layer (e.g. ``attrs.evolve(state, rope=...)``), or None to keep them; raise
+        :class:`~kvcompress.ConfigError` to refuse the model."""
 
 
 class ScorerHooks:

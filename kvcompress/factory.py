@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from .cache import CompressedKVCache
 from .config import MethodConfig, load_config
 from .contexts import LayerInfo, ModelInfo
-from .errors import ConfigError, KVCompressError
+from .errors import ConfigError, KVCompressError, PluginError
 from .group import new_group
 from .method import Method, build_method
 from .mlxlm.attention import base_class, install, install_layer_io
@@ -64,6 +64,25 @@ def _windowed(model: nn.Module, default: list) -> bool:
         return False  # the window is served by its own rotating layers (Gemma 3, Cohere 2, ...)
     types = getattr(args, "layer_types", None)
     return types is None or all(t != "full_attention" for t in types)
+
+
+def _bind(m: Method, model, compressed: list) -> None:
+    """Each component's ``bind(model, layers, states)``: its states of this process's compressed
+    layers, as returned (None: unchanged), set once at build."""
+    for kind, hooks in m.hooks().items():
+        if "bind" not in hooks:
+            continue
+        new = hooks["bind"](model, [c.info for c in compressed], [c.component_state(kind) for c in compressed])
+        if new is None:
+            continue
+        new = list(new)
+        if len(new) != len(compressed):
+            raise PluginError(
+                f"{kind} {type(m.component(kind)).__name__}.bind returned {len(new)} states for "
+                f"{len(compressed)} layers; return one per layer, in order, or None"
+            )
+        for c, st in zip(compressed, new):
+            c.set_component_state(kind, st)
 
 
 def _shared_array_mask(model: nn.Module) -> bool:
@@ -237,9 +256,7 @@ def _build(model, method, config, registry, params: dict) -> tuple:
         )
         caches[i] = CompressedKVCache(m, int(budgets[layer]), info=li, group=group)
     compressed = [caches[i] for i in slots]
-    for kind, hooks in m.hooks().items():
-        if "bind" in hooks:
-            hooks["bind"](model, compressed)
+    _bind(m, model, compressed)
     what = {"config": m.config.to_dict(), "budgets": [int(b) for b in budgets], "layers": n_total,
             "kv_heads": info.n_kv_heads, "tp": topo.tp_size, "pp": topo.pp_size}
     digest = hashlib.blake2b(json.dumps(what, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()

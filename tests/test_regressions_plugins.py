@@ -86,3 +86,34 @@ def test_misspelled_optional_hook_is_rejected_when_registered(kind, make, hook):
         warnings.simplefilter("error")
         reg = kvcompress.Registry(entry_points=False, plugins=[("good", _plugin(kind, "good_one", good))], strict=True)
     assert "good_one" in reg.components[kind] and not reg.failed()
+
+
+@attrs.define
+class _Tag:
+    layer: int = -1
+
+
+@pytest.mark.parametrize("returned, ok", [("each", True), ("none", True), ("short", False)])
+def test_bind_returns_the_states_instead_of_writing_the_cache(returned, ok):
+    """Issue 24: ``bind`` wrote ``cache._states[...]`` from two plugins. It now gets each
+    compressed layer's LayerInfo and its state there and returns the new states (None: kept);
+    a wrong count is refused with the component's name."""
+    from conftest import tiny_llama
+
+    def bind(self, model, layers, states):
+        assert all(isinstance(s, _Tag) for s in states) and len(layers) == len(model.layers)
+        new = [attrs.evolve(s, layer=info.layer) for info, s in zip(layers, states)]
+        return {"each": new, "none": None, "short": new[:1]}[returned]
+
+    cls = _scorer(init_state=lambda self, layer: _Tag(), bind=bind)
+    reg = kvcompress.Registry(entry_points=False, plugins=[
+        ("basic", __import__("kvcompress_basic")), ("tagger", _plugin("scorer", "tagger", cls))])
+    spec = {"scorer": "tagger", "selector": "lowest", "disposition": "drop", "budget": "uniform"}
+    model = tiny_llama(n_layers=3)
+    if not ok:
+        with pytest.raises(kvcompress.PluginError, match="bind returned 1 states for 3 layers"):
+            kvcompress.make_prompt_cache(model, spec, budget=16, registry=reg)
+        return
+    cache = kvcompress.make_prompt_cache(model, spec, budget=16, registry=reg)
+    want = [0, 1, 2] if returned == "each" else [-1, -1, -1]
+    assert [c.component_state("scorer").layer for c in cache] == want

@@ -107,18 +107,18 @@ class ChunkSelector:
         key = mx.where(complete & ~touched, total, mx.inf)
         return order, key, pos
 
-    def bind(self, model, caches) -> None:
+    def bind(self, model, layers, states) -> None:
         """Refuse index reuse across pipeline ranks: a reuse group's first layer must be local."""
-        if self.reuse_layers == 1 or not caches:
-            return
-        first = min(c.info.layer for c in caches)
-        for c in caches:
-            head = c.info.layer - c.info.layer % self.reuse_layers
+        if self.reuse_layers == 1 or not layers:
+            return None
+        first = min(info.layer for info in layers)
+        for info in layers:
+            head = info.layer - info.layer % self.reuse_layers
             if head < first:
                 from kvcompress import ConfigError
 
                 raise ConfigError(
-                    f"chunk reuse_layers={self.reuse_layers}: layer {c.info.layer} reuses layer {head}'s "
+                    f"chunk reuse_layers={self.reuse_layers}: layer {info.layer} reuses layer {head}'s "
                     "choice, which another pipeline rank holds; use a reuse_layers that divides each "
                     "rank's first layer index, or reuse_layers=1"
                 )

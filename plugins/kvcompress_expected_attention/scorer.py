@@ -137,12 +137,12 @@ class ExpectedAttentionScorer:
     def init_state(self, layer) -> QueryWindow:
         return QueryWindow()
 
-    def bind(self, model, caches) -> None:
-        """Read each layer's RoPE into its cache's state (no ``rope``: no rotation)."""
-        layers = list(model.layers)
-        for cache in caches:
-            block = cache.info.block if cache.info.block is not None else cache.info.layer
-            attn = getattr(layers[block], "self_attn", getattr(layers[block], "attention", None))
+    def bind(self, model, layers, states) -> list:
+        """Each layer's RoPE read into its state (no ``rope``: no rotation)."""
+        blocks, out = list(model.layers), []
+        for info, state in zip(layers, states):
+            block = info.block if info.block is not None else info.layer
+            attn = getattr(blocks[block], "self_attn", getattr(blocks[block], "attention", None))
             module = getattr(attn, "rope", None)
             latent = hasattr(attn, "kv_lora_rank")  # MLA: the cache sees q_nope and latent keys
             if module is None or latent:
@@ -156,9 +156,8 @@ class ExpectedAttentionScorer:
                         f"{type(module).__name__!r} of layer {block}: it supports nn.RoPE and mlx-lm "
                         "RoPE modules with fixed frequencies (Llama3, YaRN, SuScaled, Proportional)"
                     ) from None
-            cache._states["scorer"] = attrs.evolve(
-                cache._states["scorer"], rope=rope, rotary=rotary, latent=latent, rotation=None
-            )
+            out.append(attrs.evolve(state or QueryWindow(), rope=rope, rotary=rotary, latent=latent, rotation=None))
+        return out
 
     def events(self, obs) -> list:
         """Per row: whether this step re-scores the row (its own real tokens, never the batch's)."""

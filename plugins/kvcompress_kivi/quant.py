@@ -87,7 +87,7 @@ class KiviQuant:
 
     # -- optional hooks ----------------------------------------------------------------------
 
-    def bind(self, model, caches) -> None:
+    def bind(self, model, layers, states) -> None:
         """Refuse models whose cache does not hold attention values (MLA: a latent and a RoPE key)."""
         for layer in getattr(model, "layers", []) or []:
             attn = getattr(layer, "self_attn", None)

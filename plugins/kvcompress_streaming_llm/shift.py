@@ -109,18 +109,20 @@ class PositionShift:
     def init_state(self, layer) -> ShiftState:
         return ShiftState()
 
-    def bind(self, model, caches) -> None:
-        layers = list(model.layers)
-        for cache in caches:
-            block = cache.info.block if cache.info.block is not None else cache.info.layer
-            attn = _attention(layers[block])
+    def bind(self, model, layers, states) -> list:
+        """Each layer's RoPE parameters read into its state."""
+        blocks, out = list(model.layers), []
+        for info, state in zip(layers, states):
+            block = info.block if info.block is not None else info.layer
+            attn = _attention(blocks[block])
             rope = getattr(attn, "rope", None)
             if rope is None:
                 raise ConfigError(
                     f"position shift needs the RoPE module of layer {block} "
                     f"({type(attn).__name__} has no 'rope' attribute)"
                 )
-            cache._states["disposition"] = attrs.evolve(cache._states["disposition"], rope=rope_params(rope))
+            out.append(attrs.evolve(state or ShiftState(), rope=rope_params(rope)))
+        return out
 
     def view_keys(self, state: ShiftState, keys: mx.array, positions: mx.array, offset: mx.array) -> mx.array:
         """Keys re-rotated to ``offset - n + rank`` (``n`` held tokens of the row, ``rank`` the
