@@ -19,6 +19,8 @@ import sys
 __all__ = ["register", "CACHE_CLASSES", "original"]
 
 from .._autoload import CACHE_CLASSES, original, wrap_file_functions
+from . import entry_points
+from .attention import install
 
 
 def register() -> None:
@@ -38,6 +40,4 @@ def register() -> None:
         for name, mod in list(sys.modules.items()):
             if name.startswith("mlx_lm.") and mod is not None and vars(mod).get(fn_name) is own:
                 setattr(mod, fn_name, getattr(mlx_cache, fn_name))
-    from .entry_points import wrap
-
-    wrap()
+    entry_points.wrap(install)
