@@ -12,7 +12,10 @@ It imports nothing heavy: it only waits for ``mlx_lm.models.cache`` to be import
   and cache list goes to mlx-lm's functions unchanged (after one read of the file's header).
 
 ``kvcompress.mlxlm.loader.register`` applies the same wrappers when kvcompress is imported in a
-process started without this hook.
+process started without this hook. Imported as a module (``kvcompress._autoload``, by the loader
+and :mod:`kvcompress.persistence`) this file imports nothing of kvcompress: the wrappers call the
+functions they are given, and only the code run by the ``.pth`` file (the ``__name__`` guard at
+the end) imports kvcompress, on first use.
 """
 
 import importlib.util
@@ -27,11 +30,9 @@ DIGEST_KEY = "kvcompress_digest"
 _MARK = "__kvcompress_file__"
 
 
-def _placeholder(name):
+def _placeholder(name, real_class):
     def from_state(cls, state, meta_state=None):
-        import kvcompress  # noqa: F401  (registers the real classes with mlx-lm)
-
-        return getattr(sys.modules[_TARGET], name).from_state(state)
+        return real_class(name).from_state(state)
 
     return type(name, (), {"from_state": classmethod(from_state), "__doc__": "kvcompress placeholder"})
 
@@ -67,42 +68,46 @@ def original(fn):
     return getattr(fn, _MARK, fn)
 
 
-def _load_wrapper(fn):
+def _load_wrapper(fn, load):
     def load_prompt_cache(file_name, return_metadata=False):
         if is_kvcompress_file(file_name):
-            from kvcompress.persistence import load_prompt_cache as load
-
             return load(file_name, return_metadata=return_metadata)
         return fn(file_name, return_metadata=return_metadata)
 
     return load_prompt_cache
 
 
-def _save_wrapper(fn):
+def _save_wrapper(fn, save):
     def save_prompt_cache(file_name, cache, metadata=None):
         engine = sys.modules.get("kvcompress._engine")
         if engine is not None and any(isinstance(c, engine._Engine) for c in cache):
-            from kvcompress.persistence import save_prompt_cache as save
-
             return save(file_name, cache, metadata)
         return fn(file_name, cache, metadata)
 
     return save_prompt_cache
 
 
-def wrap_file_functions(module) -> None:
-    """Wrap ``module``'s ``load_prompt_cache`` / ``save_prompt_cache`` (idempotent)."""
-    for name, make in (("load_prompt_cache", _load_wrapper), ("save_prompt_cache", _save_wrapper)):
+def wrap_file_functions(module, load, save) -> None:
+    """Wrap ``module``'s ``load_prompt_cache`` / ``save_prompt_cache`` (idempotent): a kvcompress
+    file goes to ``load(file_name, return_metadata=...)`` and a cache list holding kvcompress
+    caches to ``save(file_name, cache, metadata)`` (kvcompress's own two functions)."""
+    for name, make, to in (("load_prompt_cache", _load_wrapper, load), ("save_prompt_cache", _save_wrapper, save)):
         fn = module.__dict__.get(name)
         if fn is None or hasattr(fn, _MARK):
             continue
-        new = make(fn)
+        new = make(fn, to)
         new.__doc__, new.__module__ = fn.__doc__, fn.__module__
         setattr(new, _MARK, fn)
         module.__dict__[name] = new
 
 
 class _Finder(MetaPathFinder):
+    """Waits for ``mlx_lm.models.cache``; then puts the placeholders there (``real_class(name)``:
+    the class a placeholder stands for) and wraps its file functions (``load``, ``save``)."""
+
+    def __init__(self, load, save, real_class):
+        self.load, self.save, self.real_class = load, save, real_class
+
     def find_spec(self, name, path, target=None):
         if name != _TARGET:
             return None
@@ -115,13 +120,29 @@ class _Finder(MetaPathFinder):
         def exec_module(module):
             run(module)
             for cls_name in CACHE_CLASSES:
-                module.__dict__.setdefault(cls_name, _placeholder(cls_name))
-            wrap_file_functions(module)
+                module.__dict__.setdefault(cls_name, _placeholder(cls_name, self.real_class))
+            wrap_file_functions(module, self.load, self.save)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if __name__ == "kvcompress_autoload":  # run by the .pth file (not when imported as a module)
+
+    def _load(file_name, return_metadata=False):
+        from kvcompress.persistence import load_prompt_cache
+
+        return load_prompt_cache(file_name, return_metadata=return_metadata)
+
+    def _save(file_name, cache, metadata=None):
+        from kvcompress.persistence import save_prompt_cache
+
+        return save_prompt_cache(file_name, cache, metadata)
+
+    def _real_class(name):
+        import kvcompress  # noqa: F401  (registers the real classes with mlx-lm)
+
+        return getattr(sys.modules[_TARGET], name)
+
     if _TARGET not in sys.modules and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+        sys.meta_path.insert(0, _Finder(_load, _save, _real_class))

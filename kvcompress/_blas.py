@@ -13,7 +13,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["find_openblas", "openblas_preloaded", "will_reexec", "reexec_with_openblas", "FIX_HINT"]
+__all__ = ["find_openblas", "openblas_preloaded", "will_reexec", "reexec_with_openblas", "FIX_HINT", "PRELOAD_COMMANDS"]
+
+#: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
+PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
 
 _PATTERNS = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",

@@ -13,8 +13,8 @@ def cmd_doctor(args) -> int:
 
     import mlx.core as mx
 
-    from ._blas import FIX_HINT, find_openblas, openblas_preloaded
-    from .cli import PRELOAD_COMMANDS, _registry, _width
+    from ._blas import FIX_HINT, PRELOAD_COMMANDS, find_openblas, openblas_preloaded
+    from ._listing import _registry, _width
 
     print(f"python     {platform.python_version()} on {platform.system()} {platform.machine()}")
     try:

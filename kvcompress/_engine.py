@@ -41,10 +41,15 @@ _OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24
 _POS_MASK = (1 << _OWNER_SHIFT) - 1
 
 
-def _ensure_wrapped() -> None:
-    from .mlxlm.attention import ensure_wrapped
+#: what runs before every ``update_and_fetch``'s storing: the mlx-lm glue registers its attention
+#: wrapper here (:func:`kvcompress.mlxlm.attention.ensure_wrapped`, when that module is imported,
+#: which importing kvcompress does), so the engine imports nothing from :mod:`kvcompress.mlxlm`
+_BEFORE_UPDATE: list = []
 
-    ensure_wrapped()
+
+def _ensure_wrapped() -> None:
+    for fn in _BEFORE_UPDATE:
+        fn()
 
 
 class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):

@@ -274,3 +274,7 @@ def _layouts(caches: list, width: int) -> list:
 
 def _single_layout(c, width: int):
     return BatchCompressedKVCache._layout(c, width)
+
+
+# what ``CompressedKVCache.merge`` builds (cache.py does not import this module, which imports it)
+CompressedKVCache._batch_class = BatchCompressedKVCache

@@ -18,6 +18,7 @@ Guarantees (each one tested):
 
 from __future__ import annotations
 
+import contextvars
 import json
 from typing import Optional
 
@@ -28,6 +29,9 @@ from .contexts import LayerInfo
 from .errors import ConfigError
 
 __all__ = ["CompressedKVCache"]
+
+#: the registry ``from_state`` builds methods from during a :func:`kvcompress.load_prompt_cache` call
+LOAD_REGISTRY: contextvars.ContextVar = contextvars.ContextVar("kvcompress_load_registry", default=None)
 
 
 class CompressedKVCache(_Engine):
@@ -41,6 +45,10 @@ class CompressedKVCache(_Engine):
             identity (global layer, head offset) under model parallelism.
         group: the :class:`~kvcompress.group.PromptGroup` of the prompt's caches.
     """
+
+    #: the batched class :meth:`merge` builds (:mod:`kvcompress.batch_cache` sets it when imported,
+    #: and importing kvcompress imports it)
+    _batch_class: Optional[type] = None
 
     @property
     def offset(self) -> int:
@@ -101,9 +109,7 @@ class CompressedKVCache(_Engine):
     @classmethod
     def merge(cls, caches):
         """The batched cache holding ``caches`` as rows (mlx-lm's batching entry point)."""
-        from .batch_cache import BatchCompressedKVCache
-
-        return BatchCompressedKVCache.merge(caches)
+        return cls._batch_class.merge(caches)
 
     @classmethod
     def from_state(cls, state, meta_state=None, registry=None):
@@ -124,8 +130,6 @@ def _rebuild(cls, state, registry=None, **extra):
 
     if not state or not isinstance(state[-1], str):
         raise ConfigError("not a kvcompress cache state: its last entry must be the JSON metadata")
-    from .persistence import LOAD_REGISTRY
-
     m = json.loads(state[-1])
     method = build_method(m["config"], registry=registry or LOAD_REGISTRY.get())
     info = LayerInfo(**m["info"])

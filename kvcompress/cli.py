@@ -8,7 +8,9 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from ._blas import PRELOAD_COMMANDS
 from ._config_check import NOMINAL_LAYERS, check_layer_budgets, cmd_config_validate  # noqa: F401 (kvcompress.cli API)
+from ._listing import _registry, _width
 
 __all__ = ["main"]
 
@@ -46,30 +48,6 @@ COMMANDS = {
     },
 }
 SUMMARIES = {name: text for group in COMMANDS.values() for name, text in group.items()}
-#: Commands that restart themselves once with OpenBLAS preloaded (Linux, when it is installed).
-PRELOAD_COMMANDS = ("bench", "generate", "serve", "chat", "tune")
-
-
-def _registry(listing: bool = False):
-    """The process-wide registry; ``listing``: for ``plugins`` and ``doctor``, which must still
-    run when two plugins claim one name (the later claimant is listed as failed, with why)."""
-    from .errors import PluginError
-    from .registry import Registry, get_registry
-
-    try:
-        return get_registry()
-    except PluginError:
-        if not listing:
-            raise
-        return Registry(tolerate_collisions=True)
-
-
-def _width(names, least: int = 16) -> int:
-    """The name column's width: ``least``, or the longest name (a name never runs into the next
-    column)."""
-    return max([least, *(len(n) for n in names)])
-
-
 def cmd_plugins(args) -> int:
     reg = _registry(listing=True)
     rows = reg.plugins()

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from ._model import default_cache, model_info
 from .cache import CompressedKVCache
 from .config import MethodConfig, load_config
 from .contexts import LayerInfo, ModelInfo
@@ -22,36 +23,6 @@ from .registry import Registry
 
 __all__ = ["make_prompt_cache", "smallest_budget", "check_room_to_evict", "model_info", "default_cache", "attach",
            "detach", "KVCacheConfig", "KVCacheBuilder"]
-
-
-def _attention_modules(model: nn.Module) -> list:
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ConfigError(f"{type(model).__name__} has no .layers; is it an mlx-lm model?")
-    return [getattr(layer, "self_attn", getattr(layer, "attention", None)) for layer in layers]
-
-
-def model_info(model: nn.Module, n_layers: Optional[int] = None) -> ModelInfo:
-    """The shape facts a budget may use, read from the model's attention modules."""
-    attn = next((a for a in _attention_modules(model) if a is not None), None)
-    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
-    head_dim = getattr(attn, "head_dim", None)
-    return ModelInfo(
-        n_layers=n_layers if n_layers is not None else len(model.layers),
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        model_type=str(getattr(model, "model_type", "")),
-    )
-
-
-def default_cache(model: nn.Module) -> list:
-    """The model's own cache list (its class's ``make_cache``, else one ``KVCache`` per layer).
-
-    Reads the *class* method, so a ``model.make_cache`` attribute that returns compressed caches
-    (see :func:`kvcompress.attach`) does not recurse.
-    """
-    make = getattr(type(model), "make_cache", None)
-    return make(model) if make is not None else [KVCache() for _ in model.layers]
 
 
 def _windowed(model: nn.Module, default: list) -> bool:

@@ -17,7 +17,6 @@ Given ``model=``, :func:`load_prompt_cache` also refuses a cache list made for a
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 from typing import Any, Optional
@@ -28,12 +27,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as _mlx_cache
 
 from ._autoload import DIGEST_KEY, is_kvcompress_file, original
+from .cache import LOAD_REGISTRY
 from .errors import KVCompressError
 
 __all__ = ["save_prompt_cache", "load_prompt_cache", "CorruptCacheFile"]
 
-#: the registry ``from_state`` builds methods from during a :func:`load_prompt_cache` call
-LOAD_REGISTRY: contextvars.ContextVar = contextvars.ContextVar("kvcompress_load_registry", default=None)
 #: the digest format written now: ``"<_FORMAT>:<hex>"`` (a bare hex digest: the layers only)
 _FORMAT = "v2"
 

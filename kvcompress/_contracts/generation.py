@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import attrs
 import mlx.core as mx
@@ -27,12 +27,20 @@ from ..errors import ConfigError
 from ..persistence import load_prompt_cache, save_prompt_cache
 from . import ensure, fail
 
-if TYPE_CHECKING:
-    from .runs import _Harness
-
 __all__ = ["tiny_llama"]
 
 _REFERENCE: dict = {}  # KVCache generations, by (vocab, prompt, step, decode)
+
+
+class _Harness(Protocol):
+    """What these checks use of the runs' harness (:mod:`kvcompress._contracts.runs`, which
+    imports this module)."""
+
+    method: Any
+
+    def caches(self, model, **extra) -> list: ...
+
+    def run(self, prompt, step, dtype=mx.float32, log: bool = True, **extra) -> tuple: ...
 
 
 def tiny_llama(n_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 97,

@@ -312,15 +312,12 @@ def _op_counts(kind: str, s, model) -> dict:
     return res
 
 
-def profile_decode(s=None, model=None) -> dict:
-    """Where decode time goes for each method of the speed settings ``s`` (default:
-    :class:`~kvcompress.bench.speed.SpeedSettings`) vs ``rotating`` (see module docstring)."""
+def profile_decode(s, model=None) -> dict:
+    """Where decode time goes for each method of the speed settings ``s``
+    (:class:`~kvcompress.bench.speed.SpeedSettings`, whose workload calls this) vs ``rotating``
+    (see module docstring)."""
     from kvcompress import install
 
-    if s is None:
-        from .speed import SpeedSettings
-
-        s = SpeedSettings()
     if model is None:
         model = build_model(s)
         install(model)

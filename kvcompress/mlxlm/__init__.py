@@ -8,6 +8,7 @@
 * :mod:`.server` -- what ``kvcompress serve`` (:mod:`kvcompress.serve`) takes from mlx-lm's server;
 * :mod:`.commands` -- ``kvcompress serve`` and ``kvcompress chat`` (over mlx-lm's chat).
 
-The cache engine never imports mlx-lm's server, and these modules only use the caches' public
-protocol.
+The cache engine never imports mlx-lm's server nor any of these modules (:mod:`.attention`
+registers what the engine runs before each update), and these modules only use the caches'
+public protocol.
 """

@@ -10,12 +10,15 @@ state the step updated, so that evaluating the model's output evaluates them (ml
 evaluates nothing else); for any other cache it calls the original function unchanged.
 
 The wrapper holds no state and is installed on first use of any kvcompress cache, so a cache
-loaded in a fresh process scores with real queries exactly as the uninterrupted run did.
+loaded in a fresh process scores with real queries exactly as the uninterrupted run did: the
+engine runs :func:`ensure_wrapped` before every update (this module registers it with the engine
+when imported, and importing kvcompress imports this module; the engine imports nothing from
+:mod:`kvcompress.mlxlm`), which also wraps a model module imported later.
 
 Budgets that require ``layer_io`` (SqueezeAttention) also need each layer's input and
 attention output in a prompt's first forward: :func:`install_layer_io` gives the model's blocks
 and attention modules stateless subclasses that pass those to the cache the block was called
-with, and nothing else.
+with, and nothing else (:mod:`kvcompress.mlxlm._hooks`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ConfigError
+from .. import _engine
+from .._engine import _Engine
+from .._scoring_pass import PassView, after_call, before_call
+from . import entry_points
+from ._hooks import base_class, install_layer_io, subclass
+from .fit import prepare_call
 
 __all__ = ["install", "is_installed", "ensure_wrapped", "install_layer_io", "install_model_hook", "base_class"]
 
@@ -35,16 +43,8 @@ _LOCK = threading.Lock()
 _scanned = 0
 
 
-def _engine_class():
-    from .._engine import _Engine
-
-    return _Engine
-
-
 def _wrap(original):
-    from .._scoring_pass import PassView
-
-    engine = (_engine_class(), PassView)
+    engine = (_Engine, PassView)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if not isinstance(cache, engine):
@@ -89,9 +89,7 @@ def ensure_wrapped() -> None:
                 continue
             if held:
                 _patch(mod)
-        from .entry_points import wrap
-
-        wrap()
+        entry_points.wrap(install)
         _scanned = len(sys.modules)
 
 
@@ -127,60 +125,13 @@ def is_installed(model: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Layer input/output for budgets that require "layer_io"
+# The model hook
 # --------------------------------------------------------------------------------------------
-
-_BASE = "_kvcompress_io_base"
-_MADE: dict = {}
-
-
-def _cache_in(args, kwargs):
-    engine = _engine_class()
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, engine):
-            return a
-    return None
-
-
-def _block_call(base, block, args, kwargs):
-    cache = _cache_in(args, kwargs)
-    if cache is None or not cache.wants_layer_io():
-        return base.__call__(block, *args, **kwargs)
-    cache._io_input = args[0] if args else next(iter(kwargs.values()))
-    try:
-        return base.__call__(block, *args, **kwargs)
-    finally:
-        cache._io_input = None
-
-
-def _attn_call(base, attn, args, kwargs):
-    out = base.__call__(attn, *args, **kwargs)
-    cache = _cache_in(args, kwargs)
-    if cache is not None and cache._io_input is not None:
-        x, cache._io_input = cache._io_input, None
-        cache.observe_layer_io(x, out)
-    return out
-
-
-def _subclass(base: type, hook) -> type:
-    key = (base, hook)
-    if key not in _MADE:
-        def __call__(self, *args, **kwargs):
-            return hook(base, self, args, kwargs)
-
-        _MADE[key] = type(
-            base.__name__, (base,),
-            {"__call__": __call__, _BASE: base, "__module__": base.__module__, "__doc__": base.__doc__},
-        )
-    return _MADE[key]
 
 
 def _model_call(base, model, args, kwargs):
     cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
     if isinstance(cache, (list, tuple)) and cache:
-        from .._scoring_pass import after_call, before_call
-        from .fit import prepare_call
-
         prepare_call(model, cache)  # a list made for another model is refused before anything changes
         inputs = args[0] if args else kwargs.get("inputs")
         before_call(lambda ids, views: base.__call__(model, ids, cache=views), cache, inputs)
@@ -188,11 +139,6 @@ def _model_call(base, model, args, kwargs):
         after_call(cache, out)
         return out
     return base.__call__(model, *args, **kwargs)
-
-
-def base_class(obj) -> type:
-    """The model's (or module's) own class, looking through the subclasses installed here."""
-    return getattr(type(obj), _BASE, type(obj))
 
 
 def install_model_hook(model: nn.Module) -> None:
@@ -203,22 +149,10 @@ def install_model_hook(model: nn.Module) -> None:
     requires ``"tokens"`` (idempotent; a call with other caches is the model's own)."""
     if not callable(getattr(type(model), "__call__", None)):
         return
-    model.__class__ = _subclass(base_class(model), _model_call)
+    model.__class__ = subclass(base_class(model), _model_call)
 
 
-def install_layer_io(model: nn.Module, layers: list) -> None:
-    """Route the input and attention output of the given model ``layers`` (indices) to their
-    caches during a prompt's first forward. Needs Llama-like blocks (``input_layernorm`` and
-    ``self_attn``, ``h = x + self_attn(input_layernorm(x), mask, cache)``)."""
-    blocks = list(getattr(model, "layers", []))
-    for i in layers:
-        blk = blocks[i]
-        if not (hasattr(blk, "input_layernorm") and isinstance(getattr(blk, "self_attn", None), nn.Module)):
-            raise ConfigError(
-                "this budget measures cos(x, x + self_attn(input_layernorm(x))) and needs Llama-like "
-                f"blocks with input_layernorm and self_attn; layer {i} is "
-                f"{type(blk).__module__}.{type(blk).__name__}"
-            )
-        for obj, hook in ((blk, _block_call), (blk.self_attn, _attn_call)):
-            base = getattr(type(obj), _BASE, type(obj))
-            obj.__class__ = _subclass(base, hook)
+# the engine runs this before every update (it imports no mlx-lm glue itself): a cache loaded in a
+# fresh process, or a model module imported after the caches were built, finds the wrapper too
+if ensure_wrapped not in _engine._BEFORE_UPDATE:
+    _engine._BEFORE_UPDATE.append(ensure_wrapped)

@@ -3,7 +3,8 @@ model ready for them and refuse batches that cannot be exact.
 
 A cache list loaded from a file in a fresh process (``load_prompt_cache`` + ``mlx_lm.generate``,
 mlx-lm's idiom) meets its model for the first time in mlx-lm's code. Three of its functions are
-wrapped, once, when kvcompress is imported or first used (:func:`wrap`):
+wrapped, once, when kvcompress is imported or first used (:func:`wrap`, given
+:func:`kvcompress.install`):
 
 * ``generate_step`` and ``speculative_generate_step`` (``generate``, ``stream_generate``, the
   CLIs): given a ``prompt_cache`` holding kvcompress caches they install the model hook
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from .._engine import _Engine
 from ..errors import ConfigError
 
 __all__ = ["wrap", "check_batch"]
@@ -32,17 +34,13 @@ _MARK = "__kvcompress_entry__"
 
 
 def _has_engine(cache_list) -> bool:
-    from .._engine import _Engine
-
     return isinstance(cache_list, (list, tuple)) and any(isinstance(c, _Engine) for c in cache_list)
 
 
-def _step(original, with_draft: bool = False):
+def _step(original, install, with_draft: bool = False):
     @functools.wraps(original)
     def generate_step(prompt, model, *args, **kwargs):
         if _has_engine(kwargs.get("prompt_cache")):
-            from .attention import install
-
             install(model)
             draft = kwargs.get("draft_model", args[0] if args else None) if with_draft else None
             if draft is not None:
@@ -56,20 +54,14 @@ def _step(original, with_draft: bool = False):
 def _signature(c) -> Optional[tuple]:
     """What rows of one layer must share to batch: a kvcompress cache's method and layer (None:
     any other cache, which mlx-lm batches itself)."""
-    from .._engine import _Engine
-
     return (c.method.config, c.info) if isinstance(c, _Engine) else None
 
 
 def _describe(c) -> str:
-    from .._engine import _Engine
-
     return f"a kvcompress {c.method.name!r} cache" if isinstance(c, _Engine) else f"an mlx-lm {type(c).__name__}"
 
 
 def _mismatch(a, b) -> str:
-    from .._engine import _Engine
-
     if isinstance(a, _Engine) and isinstance(b, _Engine) and a.method.name == b.method.name:
         return f"kvcompress {a.method.name!r} caches built with different parameters or for different layers"
     return f"{_describe(a)} and {_describe(b)}"
@@ -108,7 +100,7 @@ def check_batch(rows: list) -> None:
                 )
 
 
-def _insert(original, module):
+def _insert(original, module, install):
     @functools.wraps(original)
     def insert_segments(self, segments, max_tokens=None, caches=None, *args, **kwargs):
         running = _running_rows(self)
@@ -116,8 +108,6 @@ def _insert(original, module):
             caches = [c if c is not None else module.make_prompt_cache(self.model, getattr(self, "max_kv_size", None))
                       for c in (caches or [None] * len(segments))]
             check_batch(running + [(f"new row {i}", c) for i, c in enumerate(caches)])
-            from .attention import install
-
             install(self.model)
         return original(self, segments, max_tokens, caches, *args, **kwargs)
 
@@ -135,14 +125,16 @@ def _wrap_attr(owner: Any, name: str, make) -> None:
         setattr(owner, name, make(fn))
 
 
-def wrap() -> None:
-    """Wrap mlx-lm's entry points (idempotent; nothing happens before ``mlx_lm.generate`` is imported)."""
+def wrap(install: Callable[[Any], Any]) -> None:
+    """Wrap mlx-lm's entry points so they call ``install(model)`` (:func:`kvcompress.install`) on a
+    model given kvcompress caches (idempotent; nothing happens before ``mlx_lm.generate`` is
+    imported)."""
     gen = sys.modules.get("mlx_lm.generate")
     if gen is None or getattr(gen, _MARK, False):
         return
-    _wrap_attr(gen, "generate_step", _step)
-    _wrap_attr(gen, "speculative_generate_step", lambda fn: _step(fn, with_draft=True))
+    _wrap_attr(gen, "generate_step", lambda fn: _step(fn, install))
+    _wrap_attr(gen, "speculative_generate_step", lambda fn: _step(fn, install, with_draft=True))
     batch = getattr(gen, "BatchGenerator", None)
     if batch is not None:
-        _wrap_attr(batch, "insert_segments", lambda fn: _insert(fn, gen))
+        _wrap_attr(batch, "insert_segments", lambda fn: _insert(fn, gen, install))
     setattr(gen, _MARK, True)

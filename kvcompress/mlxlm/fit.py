@@ -20,8 +20,13 @@ from __future__ import annotations
 from typing import Optional
 
 import attrs
+from mlx_lm.models.cache import KVCache
 
+from .._engine import _Engine
+from .._model import default_cache, model_info
 from ..errors import KVCompressError
+from ._hooks import install_layer_io
+from .distributed import topology
 
 __all__ = ["CacheMismatch", "check_fit", "prepare_call", "model_facts"]
 
@@ -50,11 +55,6 @@ def model_facts(model) -> ModelFacts:
     facts = getattr(model, _FACTS, None)
     if isinstance(facts, ModelFacts) and facts.n_layers_local == n_local:
         return facts
-    from mlx_lm.models.cache import KVCache
-
-    from ..factory import default_cache, model_info
-    from .distributed import topology
-
     default = default_cache(model)
     slots = frozenset(i for i, c in enumerate(default) if type(c) is KVCache)
     topo = topology(model)
@@ -65,8 +65,6 @@ def model_facts(model) -> ModelFacts:
 
 
 def _engines(cache_list) -> list:
-    from .._engine import _Engine
-
     return [(i, c) for i, c in enumerate(cache_list) if isinstance(c, _Engine)]
 
 
@@ -110,6 +108,4 @@ def prepare_call(model, cache_list) -> None:
     check_fit(model, cache_list)
     blocks = [c.info.block for _, c in _engines(cache_list) if c.wants_layer_io() and c.info.block is not None]
     if blocks:
-        from .attention import install_layer_io
-
         install_layer_io(model, blocks)

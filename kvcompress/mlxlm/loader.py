@@ -16,28 +16,28 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["register", "CACHE_CLASSES", "original"]
+from mlx_lm.models import cache as mlx_cache
 
 from .._autoload import CACHE_CLASSES, original, wrap_file_functions
+from ..batch_cache import BatchCompressedKVCache
+from ..cache import CompressedKVCache
+from ..persistence import load_prompt_cache, save_prompt_cache
+from . import entry_points
+from .attention import install
+
+__all__ = ["register", "CACHE_CLASSES", "original"]
 
 
 def register() -> None:
     """Expose the kvcompress cache classes to ``mlx_lm.models.cache.load_prompt_cache`` and wrap
     mlx-lm's prompt-cache file functions and generation entry points (idempotent)."""
-    from mlx_lm.models import cache as mlx_cache
-
-    from ..batch_cache import BatchCompressedKVCache
-    from ..cache import CompressedKVCache
-
     mlx_cache.CompressedKVCache = CompressedKVCache
     mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
-    wrap_file_functions(mlx_cache)
+    wrap_file_functions(mlx_cache, load_prompt_cache, save_prompt_cache)
     # modules that imported mlx-lm's functions by name before they were wrapped (mlx_lm.generate)
     for fn_name in ("load_prompt_cache", "save_prompt_cache"):
         own = original(getattr(mlx_cache, fn_name))
         for name, mod in list(sys.modules.items()):
             if name.startswith("mlx_lm.") and mod is not None and vars(mod).get(fn_name) is own:
                 setattr(mod, fn_name, getattr(mlx_cache, fn_name))
-    from .entry_points import wrap
-
-    wrap()
+    entry_points.wrap(install)
