@@ -157,21 +157,25 @@ class SupervisedGenerator(ResponseGenerator):
             except BaseException as exc:  # the loop died: fail what was in it, then restart or give up
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("kvcompress serve: the generation loop failed (%s)", self.last_error)
-                self._fail_in_flight(GenerationFailed(
-                    f"generation failed ({self.last_error}); the generation loop was restarted, retry the request"))
                 now = time.monotonic()
                 self._crashes.append(now)
                 while self._crashes and now - self._crashes[0] > self.window_s:
                     self._crashes.popleft()
+                # the decision is recorded before the requests in flight hear of it: a client that
+                # retries at once finds the loop restarted (or the server failed), never in between
                 if self._is_distributed or len(self._crashes) > self.max_restarts:
                     self._generation_failed = True
                     log.error("kvcompress serve: %d generation failures within %.0f s; stopping so that a "
                               "supervisor can restart the server", len(self._crashes), self.window_s)
+                    self._fail_in_flight(GenerationFailed(
+                        f"generation failed ({self.last_error}); the server stops for its supervisor to restart it"))
                     if self.on_fatal is not None:
                         self.on_fatal(self.last_error)
                     return
                 self.restarts += 1
                 log.warning("kvcompress serve: generation loop restarted (%d so far)", self.restarts)
+                self._fail_in_flight(GenerationFailed(
+                    f"generation failed ({self.last_error}); the generation loop was restarted, retry the request"))
 
     def join(self):
         """Wait until the generation thread has ended, its thread-local destructors included:
