@@ -78,6 +78,27 @@ class Predictions:
     surprisal: mx.array
     last: mx.array
     steps: Optional[mx.array] = None
+    _memo: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
+
+    def once(self, key: tuple, fn):
+        """``fn()``, computed once for this call under ``key`` (hashables and arrays; an array
+        matches only itself), so layers that ask the same question (the same state arrays, the
+        same offsets) share one result instead of repeating it in every layer."""
+        arrays = [a for a in key if isinstance(a, mx.array)]
+        k = ("once",) + tuple(("array", id(a)) if isinstance(a, mx.array) else a for a in key)
+        hit = self._memo.get(k)
+        if hit is None or any(x is not y for x, y in zip(hit[0], arrays)):
+            hit = self._memo[k] = (arrays, fn())
+        return hit[1]
+
+    def top(self, k: int) -> tuple:
+        """``(ids [B, k] int32, log_probs [B, k] float32)``: the ``k`` most likely next tokens
+        after each row's last real token (in no particular order), computed once for all layers."""
+        k = min(k, self.last.shape[-1])
+        if k not in self._memo:
+            ids = mx.argpartition(-self.last, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+            self._memo[k] = (ids, mx.take_along_axis(self.last, ids, axis=-1))
+        return self._memo[k]
 
     @classmethod
     def from_logits(cls, tokens: mx.array, logits: mx.array, n_valid: tuple) -> "Predictions":

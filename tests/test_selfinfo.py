@@ -172,3 +172,20 @@ def test_a_scorer_requiring_predictions_needs_the_hook():
 def test_selfinfo_scorer_validates():
     with pytest.raises((TypeError, ValueError)):
         SelfInfoScorer(top_k=0)
+
+
+def test_predictions_share_one_computation_across_layers():
+    """What every layer asks of one call's predictions is computed once: ``once`` runs its
+    function once per key (an array in the key matches only itself), ``top(k)`` once per k."""
+    rng = np.random.default_rng(1)
+    p = Predictions.from_logits(mx.array(rng.integers(0, 11, (1, 3)), dtype=mx.int32),
+                                mx.array(rng.standard_normal((1, 3, 11)).astype(np.float32)), (3,))
+    calls = []
+    a, b = mx.zeros((2,)), mx.zeros((2,))
+    for _ in range(30):
+        p.once(("k", a, (5,)), lambda: calls.append("a") or 1)
+    p.once(("k", b, (5,)), lambda: calls.append("b") or 2)  # equal values, another array: its own
+    assert calls == ["a", "b"]
+    ids, lp = p.top(4)
+    assert p.top(4)[0] is ids and ids.shape == (1, 4)
+    assert sorted(np.array(ids)[0].tolist()) == sorted(np.argsort(-np.array(p.last)[0])[:4].tolist())

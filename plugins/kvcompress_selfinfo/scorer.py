@@ -67,10 +67,26 @@ class SelfInfoScorer:
 
     def observe_predictions(self, scores: mx.array, obs) -> mx.array:
         pred, st = obs.predictions, obs.state or SelfInfoState()
-        tok = obs.tokens.astype(mx.int32)
+        n_valid = tuple(obs.n_valid or (obs.n_new,) * len(obs.offsets))
+        key = ("selfinfo", self.top_k, st.ids, st.logp, tuple(obs.offsets), n_valid)
+        info, start, valid, ids, logp = pred.once(key, lambda: self._token_info(pred, st, obs.tokens, obs.offsets, n_valid))
+        obs.state = SelfInfoState(ids=ids, logp=logp)
+        p = obs.positions
+        if obs.n_new == 1:  # a decode step: the row's one new slot takes the token's information
+            return mx.where(p == start[:, :, None], info[:, :, None], scores)
+        n = obs.n_new
+        idx = p - start[:, :, None]
+        new = (p >= 0) & (idx >= 0) & (idx < valid[:, :, None])
+        full = mx.broadcast_to(info[:, None, :], (p.shape[0], p.shape[1], n))
+        return mx.where(new, mx.take_along_axis(full, mx.clip(idx, 0, n - 1), axis=-1), scores)
+
+    def _token_info(self, pred, st: SelfInfoState, tokens, offsets, n_valid) -> tuple:
+        """``(I [B, N] float32 per input token, position of token 0 [B, 1], real tokens [B, 1],
+        the new state's ids and log-probabilities)``: the same in every layer, computed once."""
+        tok = tokens.astype(mx.int32)
         b, n = tok.shape
-        valid = mx.array(obs.n_valid or (n,) * b, dtype=mx.int32).reshape(-1, 1)
-        start = mx.array(obs.offsets, dtype=mx.int32).reshape(-1, 1) - valid  # position of token 0
+        valid = mx.array(n_valid, dtype=mx.int32).reshape(-1, 1)
+        start = mx.array(offsets, dtype=mx.int32).reshape(-1, 1) - valid  # position of token 0
         qpos = start + mx.arange(n, dtype=mx.int32).reshape(1, n)
         info = pred.surprisal
         if st.ids is not None:  # the call's first token, from the previous call's last prediction
@@ -80,16 +96,8 @@ class SelfInfoScorer:
         # a prediction exists when the token before is real: in this call, or the previous one
         before = mx.concatenate([mx.full((b, 1), st.ids is not None), qpos[:, :-1] >= 0], axis=1) & (qpos > 0)
         info = mx.where(before & ~mx.isnan(info), info, UNKNOWN)
-        p = obs.positions
-        idx = p - start[:, :, None]
-        new = (p >= 0) & (idx >= 0) & (idx < valid[:, :, None])
-        full = mx.broadcast_to(info[:, None, :], (b, p.shape[1], n))
-        got = mx.take_along_axis(full, mx.clip(idx, 0, n - 1), axis=-1)
-        k = min(self.top_k, pred.last.shape[-1])
-        top = mx.argpartition(-pred.last, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
-        real = valid > 0  # a row without tokens this call keeps its previous prediction
-        ids, logp = top, mx.take_along_axis(pred.last, top, axis=-1)
-        if st.ids is not None:
+        ids, logp = pred.top(self.top_k)
+        if st.ids is not None:  # a row without tokens this call keeps its previous prediction
+            real = valid > 0
             ids, logp = mx.where(real, ids, st.ids), mx.where(real, logp, st.logp)
-        obs.state = SelfInfoState(ids=ids, logp=logp)
-        return mx.where(new, got, scores)
+        return info, start, valid, ids, logp
