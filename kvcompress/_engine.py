@@ -58,11 +58,12 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
     def __init__(self, method, budget, layer=0, group: Optional[PromptGroup] = None, info: Optional[LayerInfo] = None):
         self.method = method
         self.info = info if info is not None else LayerInfo(layer=int(layer))
-        self._hooks = method.hooks()
+        self._hooks = method.hook_set()
         self._b_default = self._check_budget(budget)
         self.group = group if group is not None else new_group()
         self.group.add(self.info.layer, self)
-        self._states = {k: (h["init_state"](self.info) if "init_state" in h else None) for k, h in self._hooks.items()}
+        self._states = {k: (h.init_state(self.info) if h.init_state else None)
+                        for k, h in ((k, self._hooks.of(k)) for k in ("scorer", "selector", "disposition", "budget"))}
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires
@@ -73,12 +74,12 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._wants_predictions = "predictions" in method.scorer.requires
         self._wants_tokens = "tokens" in method.scorer.requires or self._wants_predictions
         self._undo_predictions = None  # the last step's, while it can be trimmed
-        if self._wants_predictions and "observe_predictions" not in self._hooks["scorer"]:
+        if self._wants_predictions and self._hooks.scorer.observe_predictions is None:
             raise ConfigError(
                 f"scorer {type(method.scorer).__name__} requires 'predictions' but defines no "
                 "observe_predictions(scores, obs) hook to receive them"
             )
-        self._has_passes = "pass_tokens" in self._hooks["scorer"]
+        self._has_passes = self._hooks.scorer.pass_tokens is not None
         self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
         self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)
         self._tokens = self._step_tokens = self._undo_tokens = None
@@ -111,9 +112,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._attn_keys = self._bias = None
         self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
         self._g = 0  # KV heads per storage row (0: not known before the first step)
-        group_hook = self._hooks["selector"].get("head_group")
-        if group_hook is not None and self.info.n_kv_heads:
-            group_hook(self.info, self.info.n_kv_heads)  # a head group that cannot work is refused now
+        if self.info.n_kv_heads:  # a head group that cannot work is refused now
+            self._hooks.selector.head_group(self.info, self.info.n_kv_heads)
 
     def _check_budget(self, budget) -> int:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -147,8 +147,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
 
     def _setup_groups(self, h: int) -> None:
         """KV heads per storage row, from the selector's ``head_group`` hook (1 without it)."""
-        hook = self._hooks["selector"].get("head_group")
-        g = int(hook(self.info, h)) if hook is not None else 1
+        g = int(self._hooks.selector.head_group(self.info, h))
         if g < 1 or h % g or g >= 128:
             raise ConfigError(f"layer {self.info.layer}: head group {g} must divide the {h} KV heads (and be < 128)")
         self._g = g
@@ -251,7 +250,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         planned = self._take_plan(need)
         if planned is not None:  # selected and read at the end of the step before
             ev, plan = planned
-            k, v, self._score = self._hooks["disposition"]["apply"](ev, plan)
+            k, v, self._score = self._hooks.disposition.apply(ev, plan)
         else:
             ev = self._eviction(need)
             k, v, self._score = self.method.disposition.dispose(ev)
@@ -265,8 +264,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
 
     def _eviction(self, need: list) -> Eviction:
         """The selector's choice of ``need[b]`` slots per row, as the disposition sees it."""
-        count = self._hooks["selector"].get("evict_count")
-        counts = [int(count(e)) if count and e else e for e in need]
+        count = self._hooks.selector.evict_count
+        counts = [int(count(e)) if e else e for e in need]
         uniform = len(set(counts)) == 1
         k, v = self.keys_and_values()
         seen = self._seen()

@@ -43,7 +43,7 @@ class _AttendMixin:
         self._attn_keys, self._bias = keys, bias
         if bias is not None:
             own = bias if not isinstance(own, mx.array) else mx.where(own, bias, mx.finfo(bias.dtype).min)
-        attend = self._hooks["disposition"].get("attend")
+        attend = self._hooks.disposition.attend
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
         if sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
@@ -200,7 +200,7 @@ class _AttendMixin:
             state=_state.snapshot(self._states["scorer"]), tokens=self._undo_tokens,
             predictions=predictions, group=self.group, owner=self._owner(), heads_per_row=self._g,
         )
-        score = self._hooks["scorer"]["observe_predictions"](self._score, obs)
+        score = self._hooks.scorer.observe_predictions(self._score, obs)
         self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         # False: observed, but too long a step to keep (trim may then only remove all of it)
@@ -220,7 +220,7 @@ class _AttendMixin:
 
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
-        view = self._hooks["disposition"].get("view_keys")
+        view = self._hooks.disposition.view_keys
         return k if view is None else view(self._states["disposition"], k, self._positions(), self._offset())
 
     def wants_layer_io(self) -> bool:
@@ -234,8 +234,8 @@ class _AttendMixin:
         weight = None
         if any(v != n for v in self._last_valid):
             weight = (mx.arange(n).reshape(1, n) < mx.array(self._last_valid).reshape(-1, 1)).astype(mx.float32)
-        self._states["budget"] = self._hooks["budget"]["observe_layer"](self._states["budget"], x, out, weight)
-        if "rebudget" in self._hooks["budget"] and all(c._io_seen for c in self.group.caches()):
+        self._states["budget"] = self._hooks.budget.observe_layer(self._states["budget"], x, out, weight)
+        if self._hooks.budget.rebudget is not None and all(c._io_seen for c in self.group.caches()):
             if self.info.pp_size > 1:
                 self.group.rebudget_pending = True  # agreed across ranks at the next step's start
             else:

@@ -43,14 +43,14 @@ class _PlanMixin:
         """After a step is observed: plan the next single-token step's eviction, if it needs one
         and the disposition plans."""
         self._planned = None
-        hooks = self._hooks["disposition"]
-        if "plan" not in hooks or self._reduce or self.group.rebudget_pending or self._new_valid is not None:
+        plan_hook = self._hooks.disposition.plan
+        if plan_hook is None or self._reduce or self.group.rebudget_pending or self._new_valid is not None:
             return
         need = self._need([1] * len(self._rows_n))
         if not any(need):
             return
         ev = self._eviction(need)
-        plan = hooks["plan"](ev)
+        plan = plan_hook(ev)
         if plan is not None:
             self._planned = (self._plan_key(), need, ev, plan)
 

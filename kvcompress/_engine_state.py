@@ -350,9 +350,10 @@ class _StateMixin:
             "scoring_pass_tokens": self._rowwise(self._rows_pass or [0]),
             "scoring_pass_seconds": self._pass_seconds,
         }
-        for kind, hooks in self._hooks.items():
-            if "diagnostics" in hooks:
-                for key, value in hooks["diagnostics"](self._states[kind]).items():
+        for kind in ("scorer", "selector", "disposition", "budget"):
+            diagnose = self._hooks.of(kind).diagnostics
+            if diagnose is not None:
+                for key, value in diagnose(self._states[kind]).items():
                     out[key] = self._rowwise(value) if isinstance(value, list) else value
         return out
 

@@ -129,7 +129,7 @@ def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
     asker = next((c for c in engines if c._has_passes), None)
     if asker is None or asker.keys is None:
         return 0  # nothing stored yet: nothing to score
-    ask = asker._hooks["scorer"]["pass_tokens"]
+    ask = asker._hooks.scorer.pass_tokens
     n = 0
     while True:
         ids = ask(asker._states["scorer"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import importlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 import cattrs
@@ -88,25 +88,25 @@ def snapshot(state):
     return None if state is None else copy.copy(state)
 
 
-def take_rows(component, hooks: dict, state, rows: list):
-    """The state of batch ``rows`` (a component's ``take_rows`` hook, or index rows fields)."""
+def take_rows(component, hook: Optional[Callable], state, rows: list):
+    """The state of batch ``rows`` (the component's ``take_rows`` hook, or index rows fields)."""
     if state is None:
         return None
-    if "take_rows" in hooks:
-        return hooks["take_rows"](state, rows)
+    if hook is not None:
+        return hook(state, rows)
     idx = mx.array(rows, dtype=mx.int32)
     changes = {f.name: getattr(state, f.name)[idx] for f in _rows_fields(state) if getattr(state, f.name) is not None}
     return _without_derived(attrs.evolve(state, **changes) if changes else copy.copy(state))
 
 
-def stack_rows(component, hooks: dict, states: list, rows: list):
+def stack_rows(component, hook: Optional[Callable], states: list, rows: list):
     """One state holding the rows of ``states`` in order (``rows[i]`` rows each): the component's
     ``stack_rows`` hook, or every rows field concatenated (a row without a value gets its
     field's ``fill``)."""
     if all(s is None for s in states):
         return None
-    if "stack_rows" in hooks:
-        return hooks["stack_rows"](states, list(rows))
+    if hook is not None:
+        return hook(states, list(rows))
     first = next(s for s in states if s is not None)
     changes = {}
     for f in _rows_fields(first):

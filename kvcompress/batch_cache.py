@@ -141,7 +141,8 @@ class BatchCompressedKVCache(_Engine):
         c._rows_pass = [self._rows_pass[idx]]
         c._passes, c._pass_seconds = self._passes, self._pass_seconds
         for kind in _KINDS:
-            c._states[kind] = _state.take_rows(self.method.component(kind), self._hooks[kind], self._states[kind], [idx])
+            c._states[kind] = _state.take_rows(self.method.component(kind), self._hooks.of(kind).take_rows,
+                                               self._states[kind], [idx])
         if self.keys is not None:
             n = self._rows_n[idx]
             row = _sub(self, [idx])
@@ -154,7 +155,8 @@ class BatchCompressedKVCache(_Engine):
         """Keep only the given rows (in place)."""
         rows = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
         for kind in _KINDS:
-            self._states[kind] = _state.take_rows(self.method.component(kind), self._hooks[kind], self._states[kind], rows)
+            self._states[kind] = _state.take_rows(self.method.component(kind), self._hooks.of(kind).take_rows,
+                                                  self._states[kind], rows)
         sub = _sub(self, rows)
         host = {name: [getattr(self, name)[i] for i in rows] for name in _HOST}
         for name in ("_pad", "_new_valid", "_right"):  # a prompt in progress keeps its rows' padding
@@ -171,7 +173,7 @@ class BatchCompressedKVCache(_Engine):
         for kind in _KINDS:
             comp = self.method.component(kind)
             self._states[kind] = _state.stack_rows(
-                comp, self._hooks[kind], [c._states[kind] for c in caches], [len(c._rows_n) for c in caches]
+                comp, self._hooks.of(kind).stack_rows, [c._states[kind] for c in caches], [len(c._rows_n) for c in caches]
             )
         host = {name: getattr(self, name) + getattr(other, name) for name in _HOST}
         width = max(self._n, other._n)
@@ -193,7 +195,8 @@ class BatchCompressedKVCache(_Engine):
         for kind in _KINDS:
             comp = first.method.component(kind)
             out._states[kind] = _state.stack_rows(
-                comp, first._hooks[kind], [c._states[kind] for c in caches], [max(len(c._rows_n), 1) for c in caches]
+                comp, first._hooks.of(kind).stack_rows, [c._states[kind] for c in caches],
+                [max(len(c._rows_n), 1) for c in caches]
             )
         width = max(c._n for c in caches)
         out._set_rows(host, _layouts(caches, width), width)

@@ -94,8 +94,8 @@ class CompressedKVCache(_Engine):
         if not self._rows_n:
             return 0
         need = self._need([N] * len(self._rows_n))
-        count = self._hooks["selector"].get("evict_count")
-        slots = max(n - (int(count(e)) if count and e else e) for n, e in zip(self._rows_n, need))
+        count = self._hooks.selector.evict_count
+        slots = max(n - (int(count(e)) if e else e) for n, e in zip(self._rows_n, need))
         return -(-slots // max(self._g, 1))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import attrs
 import mlx.core as mx
@@ -43,6 +43,13 @@ __all__ = [
     "Budget",
     "check_hook_names",
     "component_hooks",
+    "method_hooks",
+    "MethodHooks",
+    "KindHooks",
+    "ScorerHookSet",
+    "SelectorHookSet",
+    "DispositionHookSet",
+    "BudgetHookSet",
 ]
 
 KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
@@ -290,6 +297,75 @@ def component_hooks(kind: str, comp) -> dict:
     """``{hook name: bound method}`` of the optional hooks of :data:`OPTIONAL_HOOKS` ``[kind]``
     that ``comp`` defines: the only way the cache and the contract tests look hooks up."""
     return {name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind] if callable(getattr(type(comp), name, None))}
+
+
+def _count_as_asked(n_evict: int) -> int:
+    return n_evict
+
+
+def _one_head_per_row(layer: LayerInfo, n_kv_heads: int) -> int:
+    return 1
+
+
+@attrs.frozen(kw_only=True)
+class KindHooks:
+    """One component's optional hooks (:data:`OPTIONAL_HOOKS`), looked up once: each field is
+    the component's bound method, or its default (a function, or None where the cache then
+    takes another path). The common ones, for every kind:"""
+
+    init_state: Optional[Callable] = None
+    diagnostics: Optional[Callable] = None
+    take_rows: Optional[Callable] = None
+    stack_rows: Optional[Callable] = None
+    bind: Optional[Callable] = None
+
+
+@attrs.frozen(kw_only=True)
+class ScorerHookSet(KindHooks):
+    pass_tokens: Optional[Callable] = None  #: None: no scoring passes
+    observe_predictions: Optional[Callable] = None
+
+
+@attrs.frozen(kw_only=True)
+class SelectorHookSet(KindHooks):
+    evict_count: Callable = _count_as_asked  #: default: exactly the slots asked for
+    head_group: Callable = _one_head_per_row  #: default: one KV head per row of slots
+
+
+@attrs.frozen(kw_only=True)
+class DispositionHookSet(KindHooks):
+    attend: Optional[Callable] = None  #: None: the exact slot attention
+    view_keys: Optional[Callable] = None  #: None: the keys as stored
+    plan: Optional[Callable] = None  #: None: no planned eviction (``dispose`` runs)
+    apply: Optional[Callable] = None
+
+
+@attrs.frozen(kw_only=True)
+class BudgetHookSet(KindHooks):
+    observe_layer: Optional[Callable] = None
+    rebudget: Optional[Callable] = None
+
+
+_HOOK_SETS = {"scorer": ScorerHookSet, "selector": SelectorHookSet, "disposition": DispositionHookSet,
+              "budget": BudgetHookSet}
+
+
+@attrs.frozen
+class MethodHooks:
+    """A method's optional hooks as typed records, one per kind, defaults filled in once."""
+
+    scorer: ScorerHookSet
+    selector: SelectorHookSet
+    disposition: DispositionHookSet
+    budget: BudgetHookSet
+
+    def of(self, kind: str) -> KindHooks:
+        return getattr(self, kind)
+
+
+def method_hooks(components: dict) -> MethodHooks:
+    """:class:`MethodHooks` of ``{kind: component}``, from :func:`component_hooks`."""
+    return MethodHooks(**{kind: _HOOK_SETS[kind](**component_hooks(kind, comp)) for kind, comp in components.items()})
 
 
 def _own_methods(cls: type) -> list[str]:

@@ -40,10 +40,12 @@ def _windowed(model: nn.Module, default: list) -> bool:
 def _bind(m: Method, model, compressed: list) -> None:
     """Each component's ``bind(model, layers, states)``: its states of this process's compressed
     layers, as returned (None: unchanged), set once at build."""
-    for kind, hooks in m.hooks().items():
-        if "bind" not in hooks:
+    hooks = m.hook_set()
+    for kind in ("scorer", "selector", "disposition", "budget"):
+        bind = hooks.of(kind).bind
+        if bind is None:
             continue
-        new = hooks["bind"](model, [c.info for c in compressed], [c.component_state(kind) for c in compressed])
+        new = bind(model, [c.info for c in compressed], [c.component_state(kind) for c in compressed])
         if new is None:
             continue
         new = list(new)

@@ -100,7 +100,7 @@ class PromptGroup:
         else:
             states = [c._states["budget"] for c in members]
         current = [list(first._rows_budget)] * len(states)
-        budgets = first._hooks["budget"]["rebudget"](states, current, min_b)
+        budgets = first._hooks.budget.rebudget(states, current, min_b)
         if budgets is not None:  # one entry per layer of ``states``: all layers, or these members
             for i, c in enumerate(members):
                 c._set_budgets(list(budgets[c.info.layer if first.info.pp_size > 1 else i]))

@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 
 import attrs
 
-from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, Scorer, Selector, component_hooks
+from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, MethodHooks, Scorer, Selector, component_hooks, method_hooks
 from .config import ComponentConfig, MethodConfig, did_you_mean, structure_component
 from .errors import CompositionError, ConfigError
 from .registry import Registry, get_registry
@@ -34,6 +34,10 @@ class Method:
         """``{kind: {hook name: bound method}}`` of the optional hooks each component defines
         (only the names declared in :data:`~kvcompress.components.OPTIONAL_HOOKS`)."""
         return {kind: component_hooks(kind, self.component(kind)) for kind in KINDS}
+
+    def hook_set(self) -> MethodHooks:
+        """The same hooks as typed records with their defaults filled in (what the cache calls)."""
+        return method_hooks({kind: self.component(kind) for kind in KINDS})
 
     def describe(self) -> str:
         parts = []

@@ -194,7 +194,7 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
     for c in cache:
         assert_nbytes_honest(c)
     # a disposition that keeps evicted tokens (attends them) may grow; everyone else is bounded
-    keeps_evicted = "attend" in cache[0]._hooks["disposition"]
+    keeps_evicted = "attend" in cache[0].method.hooks()["disposition"]
     exact = cache[0].method.config.selector.name == "lowest"
     steady = None
     for i in range(n_prompt, n_prompt + n_decode):

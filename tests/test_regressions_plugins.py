@@ -117,3 +117,21 @@ def test_bind_returns_the_states_instead_of_writing_the_cache(returned, ok):
     cache = kvcompress.make_prompt_cache(model, spec, budget=16, registry=reg)
     want = [0, 1, 2] if returned == "each" else [-1, -1, -1]
     assert [c.component_state("scorer").layer for c in cache] == want
+
+
+def test_optional_hooks_are_a_typed_record_with_defaults_filled_once():
+    """Issue 24: the cache looked optional hooks up by string at ~19 sites, each re-stating the
+    hook's default. ``Method.hook_set()`` is one typed record per kind: a component's hook is its
+    bound method; a missing one is its default (``evict_count``: as asked; ``head_group``: one
+    head per row) or None where the cache takes another path; unknown names do not exist."""
+    from kvcompress.components import DispositionHookSet, ScorerHookSet, SelectorHookSet
+
+    h2o, chunk, kvzip = (kvcompress.build_method(m, budget=64).hook_set() for m in ("h2o", "chunkkv", "kvzip"))
+    assert isinstance(h2o.scorer, ScorerHookSet) and isinstance(h2o.selector, SelectorHookSet)
+    assert isinstance(h2o.disposition, DispositionHookSet)
+    assert h2o.selector.evict_count(7) == 7 and h2o.selector.head_group(kvcompress.LayerInfo(), 4) == 1
+    assert chunk.selector.evict_count(7) == 10  # the chunk selector frees whole chunks of 10
+    assert h2o.scorer.pass_tokens is None and kvzip.scorer.pass_tokens is not None
+    assert h2o.disposition.attend is None and h2o.disposition.view_keys is None
+    with pytest.raises(AttributeError):
+        h2o.selector.evict_cont  # noqa: B018

@@ -180,7 +180,7 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
     assert gone >= 1 and a.tokens_kept == a.budget - gone
     g, slots = max(a._g, 1), np.array(a._pos)  # storage rows: g slots per token with head groups
     assert ((slots == -1).sum(-1) == g * (a.size() - a.tokens_kept)).all()
-    if "evict_count" not in a._hooks["selector"]:  # one slot freed and reused, then trimmed
+    if "evict_count" not in a.method.hooks()["selector"]:  # one slot freed and reused, then trimmed
         assert ((slots == -1).sum(-1) == g).all() and a.size() == a.budget
     _drive_direct(a, np.random.default_rng(4), [1, 1, 2, 1])
     _drive_direct(b, np.random.default_rng(4), [1, 1, 2, 1])

@@ -161,19 +161,20 @@ def check_state(kind: str, comp, state, report: ContractReport, where: str = "",
            f"restore_state(flatten_state(state)) differs from the state {where}")
     ensure(_same_state(copy.deepcopy(state), state), s, "state round trip",
            f"a deep copy of the state differs from it {where}")
-    parts = [_state.take_rows(comp, hooks, state, [r]) for r in range(rows)]
-    again = _state.stack_rows(comp, hooks, parts, [1] * rows)
+    take, stack = hooks.get("take_rows"), hooks.get("stack_rows")
+    parts = [_state.take_rows(comp, take, state, [r]) for r in range(rows)]
+    again = _state.stack_rows(comp, stack, parts, [1] * rows)
     ensure(type(again) is type(state), s, "state round trip",
            f"stack_rows([take_rows(state, [r]) for each row]) is a {type(again).__name__} {where}")
     if fresh:
         # a fresh state may not know its rows yet; split and merged again it must still work
-        ensure(_same_state(again, _state.stack_rows(comp, hooks, parts, [1] * rows)), s, "state round trip",
+        ensure(_same_state(again, _state.stack_rows(comp, stack, parts, [1] * rows)), s, "state round trip",
                f"stack_rows of a fresh state's rows is not deterministic {where}")
     else:
         ensure(_same_state(again, state), s, "state round trip",
                f"stack_rows([take_rows(state, [r]) for each row]) differs from the state {where}")
-        swapped = _state.stack_rows(comp, hooks, parts[::-1], [1] * rows)
-        ensure(_same_state(_state.take_rows(comp, hooks, swapped, [rows - 1]), parts[0]), s, "state round trip",
+        swapped = _state.stack_rows(comp, stack, parts[::-1], [1] * rows)
+        ensure(_same_state(_state.take_rows(comp, take, swapped, [rows - 1]), parts[0]), s, "state round trip",
                f"row 0 moved to the last batch row is no longer row 0's state {where}")
     report.ok("state round trip")
     if "diagnostics" in hooks:
@@ -193,7 +194,7 @@ def _init_state(kind: str, comp):
 
 
 def _rows_of(kind: str, comp, state, b: int):
-    return _state.take_rows(comp, component_hooks(kind, comp), state, [b])
+    return _state.take_rows(comp, component_hooks(kind, comp).get("take_rows"), state, [b])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def _switch_off(c, flags) -> None:
         c.budget = 10**9
     if "no_score" in flags:
         c.method = attrs.evolve(c.method, scorer=_KeepScores())
-        c._hooks, c._wants_mass = c.method.hooks(), False
+        c._hooks, c._wants_mass = c.method.hook_set(), False
 
 
 def _model_profile(model, variants: list, s) -> dict:
