@@ -299,11 +299,11 @@ def component_hooks(kind: str, comp) -> dict:
     return {name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind] if callable(getattr(type(comp), name, None))}
 
 
-def _count_as_asked(n_evict: int) -> int:
+def _count_as_asked(n_evict: int) -> int:  # evict_count's default
     return n_evict
 
 
-def _one_head_per_row(layer: LayerInfo, n_kv_heads: int) -> int:
+def _one_head_per_row(layer: LayerInfo, n_kv_heads: int) -> int:  # head_group's default
     return 1
 
 
@@ -346,10 +346,6 @@ class BudgetHookSet(KindHooks):
     rebudget: Optional[Callable] = None
 
 
-_HOOK_SETS = {"scorer": ScorerHookSet, "selector": SelectorHookSet, "disposition": DispositionHookSet,
-              "budget": BudgetHookSet}
-
-
 @attrs.frozen
 class MethodHooks:
     """A method's optional hooks as typed records, one per kind, defaults filled in once."""
@@ -365,7 +361,8 @@ class MethodHooks:
 
 def method_hooks(components: dict) -> MethodHooks:
     """:class:`MethodHooks` of ``{kind: component}``, from :func:`component_hooks`."""
-    return MethodHooks(**{kind: _HOOK_SETS[kind](**component_hooks(kind, comp)) for kind, comp in components.items()})
+    sets = {"scorer": ScorerHookSet, "selector": SelectorHookSet, "disposition": DispositionHookSet, "budget": BudgetHookSet}
+    return MethodHooks(**{kind: sets[kind](**component_hooks(kind, comp)) for kind, comp in components.items()})
 
 
 def _own_methods(cls: type) -> list[str]:
