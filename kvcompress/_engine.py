@@ -31,6 +31,7 @@ from mlx_lm.models.cache import _BaseCache
 from ._engine_attend import UNDO_TOKENS, _AttendMixin
 from ._engine_plan import _PlanMixin
 from ._engine_state import _STATE_VERSION, _StateMixin
+from .components import KINDS
 from .contexts import Eviction, LayerInfo, Selection
 from .errors import ConfigError, KVCompressError
 from .group import PromptGroup, new_group
@@ -62,8 +63,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._b_default = self._check_budget(budget)
         self.group = group if group is not None else new_group()
         self.group.add(self.info.layer, self)
-        self._states = {k: (h.init_state(self.info) if h.init_state else None)
-                        for k, h in ((k, self._hooks.of(k)) for k in ("scorer", "selector", "disposition", "budget"))}
+        inits = {k: self._hooks.of(k).init_state for k in KINDS}
+        self._states = {k: init(self.info) if init else None for k, init in inits.items()}
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires

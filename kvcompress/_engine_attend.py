@@ -182,7 +182,7 @@ class _AttendMixin:
         self._undo = (S, valid, qpos, before, queries if keep_q else None, scale, proxy)
         self._undo_tokens, self._step_tokens = self._step_tokens, None
         self._undo_predictions = None
-        if not proxy:
+        if not proxy and not self._wants_predictions:  # else planned once the predictions are in
             self._plan_next()
 
     def observe_predictions(self, predictions) -> None:
@@ -206,7 +206,7 @@ class _AttendMixin:
         # False: observed, but too long a step to keep (trim may then only remove all of it)
         self._undo_predictions = predictions if predictions.steps is not None else False
         if not self._undo[-1]:
-            self._plan_next()  # the plan read the scores before these predictions: read them again
+            self._plan_next()  # the next eviction, planned on the scores these predictions made
 
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when

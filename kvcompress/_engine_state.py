@@ -9,6 +9,7 @@ import attrs
 import mlx.core as mx
 
 from . import _state
+from .components import KINDS
 from .errors import ConfigError, KVCompressError
 
 _STATE_VERSION = 2
@@ -350,7 +351,7 @@ class _StateMixin:
             "scoring_pass_tokens": self._rowwise(self._rows_pass or [0]),
             "scoring_pass_seconds": self._pass_seconds,
         }
-        for kind in ("scorer", "selector", "disposition", "budget"):
+        for kind in KINDS:
             diagnose = self._hooks.of(kind).diagnostics
             if diagnose is not None:
                 for key, value in diagnose(self._states[kind]).items():

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ._model import default_cache, model_info
 from .cache import CompressedKVCache
+from .components import KINDS
 from .config import MethodConfig, load_config
 from .contexts import LayerInfo, ModelInfo
 from .errors import ConfigError, KVCompressError, PluginError
@@ -41,7 +42,7 @@ def _bind(m: Method, model, compressed: list) -> None:
     """Each component's ``bind(model, layers, states)``: its states of this process's compressed
     layers, as returned (None: unchanged), set once at build."""
     hooks = m.hook_set()
-    for kind in ("scorer", "selector", "disposition", "budget"):
+    for kind in KINDS:
         bind = hooks.of(kind).bind
         if bind is None:
             continue
