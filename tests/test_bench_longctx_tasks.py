@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from _longctx_helpers import ByteTokenizer, text_source
@@ -32,6 +32,8 @@ def source(tmp_path_factory):
 
 
 @settings(max_examples=25, deadline=None)
+# found by hypothesis: two plants of the chain took crossing places (VAR C read before VAR B)
+@example(seed=17790420, length=4011, chatml=True, tasks=["niah_multikey", "qa", "vt"])
 @given(seed=st.integers(0, 2**31), length=st.integers(2000, 5000), chatml=st.booleans(),
        tasks=st.lists(st.sampled_from(ALL_TASKS), min_size=1, max_size=3, unique=True))
 def test_episode_is_seeded_exact_length_with_facts_where_said(source, seed, length, chatml, tasks):

@@ -259,6 +259,10 @@ def _boundaries(text: str, n: int) -> list[tuple[int, str]]:
     return sorted(set(out))
 
 
+#: tasks whose plants must be read in the order they were drawn (a chain of assignments)
+_IN_READING_ORDER = frozenset({"vt"})
+
+
 def _insert(fill: str, plants: Sequence[Plant]) -> tuple[str, list[int]]:
     """``fill`` with each plant at the free boundary nearest its depth; each plant's start."""
     bounds = _boundaries(fill, len(plants))
@@ -267,11 +271,15 @@ def _insert(fill: str, plants: Sequence[Plant]) -> tuple[str, list[int]]:
     pos = np.array([b for b, _ in bounds], dtype=np.float64)
     free = np.ones(len(bounds), dtype=bool)
     slot = []
-    for p in plants:  # in plant order, so a chain drawn in reading order stays in that order
+    for p in plants:
         cost = np.abs(pos - p.depth * len(fill)) + np.where(free, 0.0, np.inf)
         k = int(np.argmin(cost))
         free[k] = False
         slot.append(k)
+    for task in _IN_READING_ORDER:  # the nearest free places may cross: keep the chain in order
+        chain = [i for i, p in enumerate(plants) if p.task == task]
+        for i, k in zip(chain, sorted(slot[i] for i in chain)):
+            slot[i] = k
     order = sorted(range(len(plants)), key=lambda i: (slot[i], i))
     out, prev, starts = [], 0, [0] * len(plants)
     size = 0
