@@ -35,6 +35,7 @@ from .components import KINDS
 from .contexts import Eviction, LayerInfo, Selection
 from .errors import ConfigError, KVCompressError
 from .group import PromptGroup, new_group
+from .storage import as_float, concat_slots, put_slots, rewritten, take_slots, zeros_like_rows
 
 __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
 
@@ -60,6 +61,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self.method = method
         self.info = info if info is not None else LayerInfo(layer=int(layer))
         self._hooks = method.hook_set()
+        self._store = method.storage  # how the kept slots are held (kvcompress.storage)
         self._b_default = self._check_budget(budget)
         self.group = group if group is not None else new_group()
         self.group.add(self.info.layer, self)
@@ -212,6 +214,10 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         if g > 1:  # rows of g heads, token-major: [t0: h0..h(g-1)][t1: ...]
             keys = keys.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
             values = values.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
+        if self._store.quantized:
+            if self.keys is None:
+                self._store.check_head_dim(keys.shape[-1], values.shape[-1])
+            keys, values = self._store.store(keys, "keys"), self._store.store(values, "values")
         self._ensure_rows(b)
         if self._wants_tokens:
             self._step_tokens = tokens
@@ -245,6 +251,12 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             return self.keys, self.values
         return self.keys[..., : self._n, :], self.values[..., : self._n, :]
 
+    def _float_kv(self) -> tuple:
+        """The stored keys and values as components see them (low-bit slots lazily dequantized:
+        only what a component reads is computed)."""
+        k, v = self.keys_and_values()
+        return as_float(k), as_float(v)
+
     def _evict(self, need: list):
         """Free ``need[b]`` slots (or the selector's whole chunks) per row; returns
         ``(slots [B, H, E], real [B, H, E] or None)``."""
@@ -256,6 +268,9 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             ev = self._eviction(need)
             k, v, self._score = self.method.disposition.dispose(ev)
         self._states["disposition"] = ev.state
+        if self._store.quantized:  # what the disposition rewrote is stored again (the rest as it was)
+            held = self.keys_and_values()
+            k, v = (rewritten(new, seen, old) for new, seen, old in zip((k, v), (ev.keys, ev.values), held))
         self.keys, self.values = k, v
         self._written = (k, [])
         self._rounds += 1
@@ -268,7 +283,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         count = self._hooks.selector.evict_count
         counts = [int(count(e)) if e else e for e in need]
         uniform = len(set(counts)) == 1
-        k, v = self.keys_and_values()
+        k, v = self._float_kv()
         seen = self._seen()
         off, offs, bud = self._offset(), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
@@ -324,8 +339,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
                 slot = mx.argsort(mx.where(self._pos < 0, ar, ar + self._n), axis=-1)[..., :g].astype(mx.int32)
         idx = slot[..., None]
         chain = self._written is not None and self._written[0] is self.keys and len(self._written[1]) < 8
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, (b, h, g, keys.shape[-1])), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, (b, h, g, values.shape[-1])), values, axis=2)
+        self.keys = put_slots(self.keys, idx, keys)
+        self.values = put_slots(self.values, idx, values)
         pos = self._new_positions(valid, 1, b, h)
         self._pos = mx.put_along_axis(self._pos, slot, pos, axis=-1)
         self._score = mx.put_along_axis(self._score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
@@ -360,30 +375,27 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         ar = mx.arange(t, dtype=mx.int32)
         order = mx.argsort(mx.where(self._pos >= 0, ar + t, ar), axis=-1)[..., t - w :]
         k, v = self.keys_and_values()
-        self.keys = mx.take_along_axis(k, order[..., None], axis=2)
-        self.values = mx.take_along_axis(v, order[..., None], axis=2)
+        self.keys, self.values = take_slots(k, order), take_slots(v, order)
         self._pos = mx.take_along_axis(self._pos, order, axis=-1)
         self._score = mx.take_along_axis(self._score, order, axis=-1)
         self._n = w
 
     def _append(self, keys, values, valid, tokens: int) -> None:
-        b, h, S, dk = keys.shape  # S = tokens * g slots
-        dv = values.shape[3]
+        b, h, S, _ = keys.shape  # S = tokens * g slots
         prev = self._n
         if self.keys is None or prev + S > self.keys.shape[2]:
             need = prev + S
             cap = (need + self.step - 1) // self.step * self.step
             top = self._g * max(self._rows_budget)
             cap = min(cap, top) if need <= top else need
-            new_k = mx.zeros((b, h, cap - prev, dk), keys.dtype)
-            new_v = mx.zeros((b, h, cap - prev, dv), values.dtype)
+            new_k, new_v = zeros_like_rows(keys, b, h, cap - prev), zeros_like_rows(values, b, h, cap - prev)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
                 self._pos = mx.zeros((b, h, 0), mx.int32)
                 self._score = mx.zeros((b, h, 0), mx.float32)
             else:
-                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+                self.keys = concat_slots([self.keys[..., :prev, :], new_k])
+                self.values = concat_slots([self.values[..., :prev, :], new_v])
         self._written = None  # (the slice update below keeps the array object)
         self.keys[..., prev : prev + S, :] = keys
         self.values[..., prev : prev + S, :] = values
@@ -392,3 +404,4 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._n = prev + S
         self._rows_n = [n + self._g * x for n, x in zip(self._rows_n, valid)]
         self._last_slots = None
+

@@ -12,6 +12,7 @@ import mlx.core as mx
 from . import _state, ops
 from .contexts import Observation
 from .errors import KVCompressError
+from .storage import QuantizedSlots, as_float
 
 #: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
 UNDO_TOKENS = 16
@@ -31,6 +32,8 @@ class _AttendMixin:
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """The layer's attention; ``mask`` (the model's) is replaced by the exact slot mask."""
         n = queries.shape[2]
+        if self._store.quantized:  # low-bit slots: kvcompress's attention reads the codes
+            sdpa = _low_bit_sdpa
         if self._g > 1:
             return self._attend_groups(sdpa, queries, keys, values, scale, mask, sinks)
         own = self.step_mask(n)
@@ -71,8 +74,11 @@ class _AttendMixin:
             # the row and attend exactly as mlx-lm's KVCache does
             b, r, t, _ = keys.shape
 
-            def split(a):
+            def split_one(a):
                 return a.reshape(b, r, t // g, g, -1).transpose(0, 1, 3, 2, 4).reshape(b, r * g, t // g, -1)
+
+            def split(a):
+                return a.map(split_one) if isinstance(a, QuantizedSlots) else split_one(a)
 
             own = None if n == 1 else "causal"
             if bias is not None:
@@ -139,6 +145,12 @@ class _AttendMixin:
                 stacklevel=3,
             )
             _proxy_warned = True
+        if self._store.quantized:
+            raise KVCompressError(
+                f"layer {self.info.layer}: this model did not call mlx-lm's scaled_dot_product_attention with "
+                "its cache, so nothing could attend the low-bit slots (kv_bits); call kvcompress.install(model), "
+                "or use float storage with this model"
+            )
         S = self._pending[0]
         k = self.keys_and_values()[0]
         q = k[..., self._n - S :, :] if self._last_slots is None else mx.take_along_axis(
@@ -158,6 +170,7 @@ class _AttendMixin:
         bias = None
         if not proxy and self._attn_keys is not None:  # what the attention really used
             k, bias = self._attn_keys, self._bias
+        k = as_float(k)
         self._attended = self._attn_keys = self._bias = None
         mass, self._step_mass = self._step_mass, None
         before = (self._score, self._states["scorer"])
@@ -165,7 +178,7 @@ class _AttendMixin:
             queries=queries, keys=k, positions=self._positions(), query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
-            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias, values=self.keys_and_values()[1],
+            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias, values=self._float_kv()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
             owner=self._owner(), heads_per_row=self._g,
         )
@@ -194,7 +207,7 @@ class _AttendMixin:
             self._unobserved_step()
         S, valid, qpos, _, _, scale, _ = self._undo
         obs = Observation(
-            queries=None, keys=self.keys_and_values()[0], positions=self._positions(),
+            queries=None, keys=self._float_kv()[0], positions=self._positions(),
             query_positions=self._qpos(S) if qpos is None else qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._seen()), layer=self.info, n_valid=tuple(valid),
             state=_state.snapshot(self._states["scorer"]), tokens=self._undo_tokens,
@@ -240,3 +253,8 @@ class _AttendMixin:
                 self.group.rebudget_pending = True  # agreed across ranks at the next step's start
             else:
                 self.group.rebudget()
+
+
+def _low_bit_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+    """mlx-lm's attention for low-bit slots (:class:`~kvcompress.storage.QuantizedSlots`)."""
+    return ops.attention(queries, keys, values, scale, mask=mask, sinks=sinks)[0]

@@ -11,6 +11,7 @@ import mlx.core as mx
 from . import _state
 from .components import KINDS
 from .errors import ConfigError, KVCompressError
+from .storage import dtype_name, from_state, to_state
 
 _STATE_VERSION = 2
 
@@ -193,6 +194,9 @@ class _StateMixin:
             # only caches that ran scoring passes: other methods' files keep their format
             **({"passes": {"count": self._passes, "rows_tokens": self._rows_pass, "seconds": self._pass_seconds}}
                if self._passes else {}),
+            # low-bit storage only (float files keep their format): the stored vectors' dtype
+            **({"kv_dtype": dtype_name(self.keys.dtype)}
+               if self._store.quantized and self.keys is not None else {}),
         }, arrays
 
     @property
@@ -202,7 +206,7 @@ class _StateMixin:
         if self.keys is None:
             return [*extra, text]
         k, v = self.keys_and_values()
-        return [*extra, k, v, self._pos, self._score, text]
+        return [*extra, to_state(k), to_state(v), self._pos, self._score, text]
 
     @state.setter
     def state(self, v):
@@ -220,7 +224,10 @@ class _StateMixin:
             i += k
         self._written = None  # (nothing is known about what changed since an eviction)
         if arrays:
-            self.keys, self.values, pos, score = arrays
+            k, v, pos, score = arrays
+            st, dtype = self._store, m.get("kv_dtype")
+            self.keys = from_state(k, st.k_bits, st.group_size, dtype)
+            self.values = from_state(v, st.v_bits, st.group_size, dtype)
             self._pos, self._score = pos.astype(mx.int32), score.astype(mx.float32)
         else:
             self.keys = self.values = self._pos = self._score = None
@@ -267,7 +274,7 @@ class _StateMixin:
         each head's slots are gathered out of its row, in slot order, ``W`` the most any head holds;
         a head holding fewer is padded with position -1 (a host sync: for inspection, not decode).
         """
-        k, v = self.keys_and_values()
+        k, v = self._float_kv()
         if self._g <= 1:
             return k, v, self._pos, self._score
         g, t = self._g, self._pos.shape[-1]

@@ -33,6 +33,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import _state, ops
 from .contexts import Observation, Predictions
 from .errors import KVCompressError
+from .storage import as_float
 
 __all__ = ["PassView", "before_call", "after_call", "MAX_PASSES"]
 
@@ -74,8 +75,8 @@ class PassView:
         if c.keys is None:
             self._pos = new_pos
             return keys, values
-        v = c.keys_and_values()[1]
-        k = c._viewed_keys()
+        # a pass is a whole-context forward: low-bit slots are read dequantized, like a chunk's
+        v, k = as_float(c.keys_and_values()[1]), as_float(c._viewed_keys())
         self._pos = mx.concatenate([c._pos, new_pos], axis=2)
         return mx.concatenate([k, keys.astype(k.dtype)], axis=2), mx.concatenate([v, values.astype(v.dtype)], axis=2)
 

@@ -24,6 +24,7 @@ from ._engine import _Engine
 from .cache import CompressedKVCache, _rebuild
 from .errors import ConfigError
 from .group import join
+from .storage import concat_slots, contiguous, pad_slots, take_slots, zeros_like_rows
 
 __all__ = ["BatchCompressedKVCache"]
 
@@ -110,12 +111,11 @@ class BatchCompressedKVCache(_Engine):
         if t > width:
             ar = mx.arange(t, dtype=mx.int32)
             order = mx.argsort(mx.where(pos >= 0, ar + t, ar), axis=-1)[..., t - width :]
-            k = mx.take_along_axis(k, order[..., None], axis=2)
-            v = mx.take_along_axis(v, order[..., None], axis=2)
+            k, v = take_slots(k, order), take_slots(v, order)
             pos, score = mx.take_along_axis(pos, order, axis=-1), mx.take_along_axis(score, order, axis=-1)
         elif t < width:
             pad = [(0, 0), (0, 0), (width - t, 0)]
-            k, v = mx.pad(k, pad + [(0, 0)]), mx.pad(v, pad + [(0, 0)])
+            k, v = pad_slots(k, width - t), pad_slots(v, width - t)
             pos, score = mx.pad(pos, pad, constant_values=-1), mx.pad(score, pad)
         return k, v, pos, score
 
@@ -124,7 +124,9 @@ class BatchCompressedKVCache(_Engine):
             setattr(self, name, value)
         self._written = None
         if parts:
-            self.keys, self.values, self._pos, self._score = (mx.concatenate(x, axis=0) for x in zip(*parts))
+            k, v, pos, score = zip(*parts)
+            self.keys, self.values = concat_slots(list(k), axis=0), concat_slots(list(v), axis=0)
+            self._pos, self._score = mx.concatenate(pos, axis=0), mx.concatenate(score, axis=0)
             self._n = width
         else:
             self.keys = self.values = self._pos = self._score = None
@@ -147,7 +149,7 @@ class BatchCompressedKVCache(_Engine):
             n = self._rows_n[idx]
             row = _sub(self, [idx])
             k, v, pos, score = row._layout(n)
-            c.keys, c.values = mx.contiguous(k), mx.contiguous(v)
+            c.keys, c.values = contiguous(k), contiguous(v)
             c._pos, c._score, c._n = mx.contiguous(pos), mx.contiguous(score), n
         return c
 
@@ -260,8 +262,7 @@ def _layouts(caches: list, width: int) -> list:
     like = next((c for c in caches if c.keys is not None), None)
     if like is None:
         return []
-    _, h, _, dk = like.keys.shape
-    dv, dt = like.values.shape[-1], like.keys.dtype
+    h = like.keys.shape[1]
     parts = []
     for c in caches:
         if c.keys is not None:
@@ -269,7 +270,7 @@ def _layouts(caches: list, width: int) -> list:
             continue
         b = max(len(c._rows_n), 1)
         parts.append((
-            mx.zeros((b, h, width, dk), dt), mx.zeros((b, h, width, dv), dt),
+            zeros_like_rows(like.keys, b, h, width), zeros_like_rows(like.values, b, h, width),
             mx.full((b, h, width), -1, mx.int32), mx.zeros((b, h, width), mx.float32),
         ))
     return parts

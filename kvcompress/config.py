@@ -64,6 +64,9 @@ class MethodConfig:
     disposition: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
     budget: Optional[ComponentConfig] = attrs.field(default=None, converter=_component)
     params: dict = attrs.field(factory=dict, converter=dict)
+    #: how the kept slots are held: ``{"kv_bits": 4 | [8, 4], "kv_group_size": 64}`` (empty: the
+    #: model's dtype); see :mod:`kvcompress.storage`
+    storage: dict = attrs.field(factory=dict, converter=dict)
 
     def __attrs_post_init__(self):
         for kind in KINDS:
@@ -83,7 +86,7 @@ class MethodConfig:
         """Build from a plain dict (as parsed from JSON or TOML); unknown keys are errors."""
         if not isinstance(data, dict):
             raise ConfigError(f"a method config is a table/object, got {type(data).__name__}")
-        allowed = {"method", *KINDS, "params"}
+        allowed = {"method", *KINDS, "params", "storage"}
         extra = sorted(set(data) - allowed)
         if extra:
             raise ConfigError(
@@ -107,6 +110,8 @@ class MethodConfig:
                 out[kind] = {**({"name": c.name} if c.name else {}), **c.params}
         if self.params:
             out["params"] = dict(self.params)
+        if self.storage:
+            out["storage"] = dict(self.storage)
         return out
 
 

@@ -209,6 +209,8 @@ def _build(model, method, config, registry, params: dict) -> tuple:
             f"budget {m.config.budget.name!r} returned {len(budgets)} layer budgets for {n_total} layers"
         )
     check_room_to_evict(m, info, budgets)
+    if m.storage.quantized and info.head_dim:  # a group size the heads cannot take: refused now, not at a step
+        m.storage.check_head_dim(int(info.head_dim), int(info.head_dim))
     blocks = slots
     if _shared_array_mask(model) and ("layer_io" in m.budget.requires or len(set(budgets)) > 1):
         raise ConfigError(

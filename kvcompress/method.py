@@ -10,6 +10,7 @@ from .components import CACHE_PROVIDES, KINDS, Budget, Disposition, MethodHooks,
 from .config import ComponentConfig, MethodConfig, did_you_mean, structure_component
 from .errors import CompositionError, ConfigError
 from .registry import Registry, get_registry
+from .storage import KVStorage
 
 __all__ = ["Method", "build_method"]
 
@@ -26,6 +27,8 @@ class Method:
     disposition: Any
     budget: Any
     config: MethodConfig
+    #: how caches of this method hold their kept slots (float, or low-bit codes)
+    storage: KVStorage = attrs.field(factory=KVStorage)
 
     def component(self, kind: str) -> Any:
         return getattr(self, kind)
@@ -45,7 +48,8 @@ class Method:
             comp = self.component(kind)
             c = self.config.component(kind)
             parts.append(f"{kind}={c.name}({_fmt_params(comp)})")
-        return f"{self.name}: " + ", ".join(parts)
+        held = f"; storage {self.storage.describe()}" if self.storage.quantized else ""
+        return f"{self.name}: " + ", ".join(parts) + held
 
 
 def _fmt_params(comp) -> str:
@@ -72,6 +76,7 @@ def build_method(
             f"names a budget component ({', '.join(sorted(reg.components['budget']))})"
         )
     kinds_given = {k: params.pop(k) for k in KINDS if k in params and not _is_budget_number(k, params[k])}
+    held = {k: params.pop(k) for k in _STORAGE if k in params}
     if isinstance(config, str) or config is None:
         config = MethodConfig(method=config, **kinds_given)
     elif isinstance(config, dict):
@@ -109,6 +114,11 @@ def build_method(
         )
     specs = {k: reg.component(k, names[k]) for k in KINDS}
     flat.update(config.params)
+    held = {**config.storage, **{k: flat.pop(k) for k in _STORAGE if k in flat}, **held}
+    unknown = sorted(set(held) - set(_STORAGE))
+    if unknown:
+        raise ConfigError(f"unknown storage key(s) {unknown}; valid keys: {list(_STORAGE)}")
+    storage = KVStorage.of(**held)
 
     per_kind: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
     explicit = dict(params)  # keyword arguments win over everything a config pins
@@ -140,12 +150,34 @@ def build_method(
         comps[kind] = comp
 
     _check_requirements(comps, names)
+    if storage.quantized:
+        _check_low_bit(comps["disposition"], names["disposition"])
     resolved = MethodConfig(
         method=config.method,
         params={},
+        storage=storage.to_dict(),
         **{k: ComponentConfig(names[k], _init_params(comps[k])) for k in KINDS},
     )
-    return Method(name=label, config=resolved, **comps)
+    return Method(name=label, config=resolved, storage=storage, **comps)
+
+
+#: the parameters of a method's storage (:class:`kvcompress.storage.KVStorage`)
+_STORAGE = ("kv_bits", "kv_group_size")
+
+
+def _check_low_bit(disposition, name: str) -> None:
+    """Low-bit storage needs a disposition that lets the cache attend its slots as stored."""
+    hooks = component_hooks("disposition", disposition)
+    own = [h for h in ("attend", "view_keys") if h in hooks]
+    if own:
+        why = ("holds its own low-bit store and attends with its own rule (it already quantizes: "
+               "use it without kv_bits)") if "attend" in own else (
+               "rewrites every stored key at each step (view_keys), which low-bit slots would have to "
+               "dequantize in full per step")
+        raise CompositionError(
+            f"kv_bits: disposition {name!r} {why}; use kv_bits with a disposition that stores slots "
+            "as they are (drop, gated_merge, ...)"
+        )
 
 
 def _is_budget_number(kind: str, value: Any) -> bool:

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from kvcompress._lowbit import prepare as prepare_quantized_matmul  # re-exported: build it before timing
 from kvcompress._lowbit import quantized_matmul  # re-exported: the few-row low-bit product
+from kvcompress.storage import QuantizedSlots, for_step, keys_product, values_product
 
 __all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "FAST_SOFTMAX_MAX", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "prepare_quantized_matmul", "quantized_matmul", "visibility", "lowest_k", "sortable_bits"]
 
@@ -147,7 +148,8 @@ def attention(
     """Masked float32 attention of ``queries`` over the stored slots (plus ``extra``).
 
     queries ``[B, H_q, N, D]`` at ``query_positions`` ``[B, 1, N]``; keys/values
-    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`). Without
+    ``[B, H_kv, T, D]`` at ``key_positions`` ``[B, H_kv, T]`` (see :func:`visibility`), float or
+    low-bit (:class:`kvcompress.storage.QuantizedSlots`, read through quantized products). Without
     positions, ``mask`` says what each query sees, as in mlx-lm's attention: None (every key),
     ``"causal"`` (bottom-right aligned: query ``i`` sees keys ``0 .. T - N + i``), or an array
     ``[N, T]``, ``[B, N, T]``, ``[B, 1 | H_q, N, T]`` (bool: True = visible; else additive).
@@ -164,9 +166,13 @@ def attention(
     of a slot is the mean over that KV head's query heads. Returns ``(out [B, H_q, N', D_v] in
     the queries' dtype or None, mass or None)``.
     """
+    quantized = isinstance(keys, QuantizedSlots) or isinstance(values, QuantizedSlots)
     if (mass == "group" and queries.shape[2] == 1 and key_positions is None and mask is None and values is not None
-            and bias is None and query_weight is None and not extra and sinks is None and owner is None):
+            and bias is None and query_weight is None and not extra and sinks is None and owner is None
+            and not quantized):
         return _one_query(queries, keys, values, scale)
+    if quantized:  # low-bit slots (kvcompress.storage): codes read directly, or dequantized for a chunk
+        keys, values = for_step(keys, queries.shape[2]), for_step(values, queries.shape[2])
     if mass not in (None, "group", "heads", "max"):
         raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     b, _, n, d = queries.shape
@@ -174,8 +180,8 @@ def attention(
     g = _split_groups(queries, h_kv)
     start = 0 if last is None else max(n - last, 0)
     q = _f32(queries).reshape(b, h_kv, g, n, d) * scale
-    kt = _f32(keys).swapaxes(-1, -2)  # [B, H_kv, D, T]
-    v = None if values is None else _f32(values)
+    kt = _f32(keys).swapaxes(-1, -2) if isinstance(keys, mx.array) else keys  # [B, H_kv, D, T] (or codes)
+    v = None if values is None else _f32(values) if isinstance(values, mx.array) else values
     if key_positions is not None:
         qpos = mx.broadcast_to(query_positions, (query_positions.shape[0], 1, n)) if query_positions.ndim == 3 \
             else mx.broadcast_to(query_positions.reshape(1, 1, n), (1, 1, n))
@@ -194,7 +200,8 @@ def attention(
         else:
             vis = _block_mask(mask, i0, i1, n, t, h_kv, g)
         tb = t - n + i1 if cut else t
-        logits = grouped_matmul(qb, kt if tb == t else kt[..., :tb])
+        logits = grouped_matmul(qb, kt if tb == t else kt[..., :tb]) if isinstance(kt, mx.array) else \
+            keys_product(qb, kt, tb)
         if bias is not None:
             add = _block_mask(bias, i0, i1, n, t, h_kv, g).astype(mx.float32)
             logits = logits + (add if tb == t else add[..., :tb])
@@ -213,7 +220,8 @@ def attention(
         x0 = sum(p.shape[-1] for p in parts[: len(extra)])
         ws = w[..., x0 : x0 + tb] if (x0 or sinks is not None) else w
         if v is not None:
-            out = grouped_matmul(ws, v if tb == t else v[..., :tb, :])
+            out = grouped_matmul(ws, v if tb == t else v[..., :tb, :]) if isinstance(v, mx.array) else \
+                values_product(ws, v)
             x = 0
             for e, p in zip(extra, parts):
                 out = out + e.output(w[..., x : x + p.shape[-1]])

@@ -39,10 +39,11 @@ from ..components import KINDS
 from ..errors import ConfigError
 from ..factory import make_prompt_cache
 from ..method import Method, build_method
+from ..storage import as_float
 from . import ContractReport, ensure, fail
 from .generation import (
     _check_batched, _check_exact, _check_save_load, _compressed, _generate, _state_arrays, _states_equal,
-    tiny_llama,
+    model_for,
 )
 
 __all__ = ["check_method_runs", "RunSettings"]
@@ -122,8 +123,10 @@ class _Harness:
         self.config, self.method, self.subject, self.s = _unpin_budget(config), method, subject, settings
         self.registry, self.params = registry, params
 
-    def caches(self, model, **extra):
-        return make_prompt_cache(model, self.config, registry=self.registry, **{**self.params, **extra})
+    def caches(self, model, float_storage: bool = False, **extra):
+        """The method's caches for ``model`` (``float_storage``: the same method without kv_bits)."""
+        params = {**self.params, **extra, **({"kv_bits": None} if float_storage else {})}
+        return make_prompt_cache(model, self.config, registry=self.registry, **params)
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class _Harness:
         for b in cands:
             extra = {} if b is None else {"budget": b}
             try:
-                caches = _compressed(self.caches(tiny_llama(vocab=self.s.vocab), **extra))
+                caches = _compressed(self.caches(model_for(self.method, vocab=self.s.vocab), **extra))
             except ConfigError as exc:
                 last = exc
                 continue
@@ -151,7 +154,7 @@ class _Harness:
     # -- runs ----------------------------------------------------------------------------------
 
     def run(self, prompt, step, dtype=mx.float32, log=True, **extra):
-        model = tiny_llama(vocab=self.s.vocab, dtype=dtype)
+        model = model_for(self.method, vocab=self.s.vocab, dtype=dtype)
         caches = self.caches(model, **extra)
         steplog = _StepLog(_compressed(caches), self.subject) if log else None
         toks, lps = _generate(model, prompt, caches, step, self.s.decode)
@@ -244,7 +247,7 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
     ensure(not any(bool(mx.any(mx.isnan(lp))) for lp in lps16), s, "float16",
            "a float16 model produced NaN log-probabilities")
     for c in _compressed(caches16):
-        k, v = c.keys_and_values()
+        k, v = (as_float(a) for a in c.keys_and_values())
         ensure(k.dtype == mx.float16 and not bool(mx.any(mx.isnan(k))) and not bool(mx.any(mx.isnan(v))), s,
                "float16", f"layer {c.layer}: stored keys/values are {k.dtype} or contain NaN")
         ensure(bool(mx.all(mx.isfinite(_positions_scores(c)[1]))), s, "float16",

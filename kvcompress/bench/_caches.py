@@ -184,6 +184,7 @@ def live_kv_bytes(cache) -> int:
     its size, positions, scores, quantized blocks). mlx-lm's caches may return their whole
     preallocated buffer, so only their first ``size()`` slots of keys and values are counted.
     """
+    from mlx.utils import tree_flatten
     from mlx_lm.models.cache import QuantizedKVCache
 
     from kvcompress import CompressedKVCache
@@ -196,13 +197,12 @@ def live_kv_bytes(cache) -> int:
             for a in (*c.keys, *c.values) if c.keys is not None else ():
                 total += int(a.nbytes) * min(c.offset, a.shape[2]) // a.shape[2]
             continue
-        arrays = [a for a in c.state if isinstance(a, mx.array)]
-        if isinstance(c, CompressedKVCache):
-            total += sum(int(a.nbytes) for a in arrays)
-        else:
-            k, v = arrays[:2]
-            n = min(int(c.size()), k.shape[2])
-            total += (int(k.nbytes) + int(v.nbytes)) * n // k.shape[2]
+        if isinstance(c, CompressedKVCache):  # (a low-bit store saves its codes, scales and biases)
+            total += sum(int(a.nbytes) for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+            continue
+        k, v = [a for a in c.state if isinstance(a, mx.array)][:2]
+        n = min(int(c.size()), k.shape[2])
+        total += (int(k.nbytes) + int(v.nbytes)) * n // k.shape[2]
     return total
 
 
