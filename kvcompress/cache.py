@@ -99,11 +99,15 @@ class CompressedKVCache(_Engine):
         return -(-slots // max(self._g, 1))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """mlx-lm's ``kv_bits`` quantizes a full cache; it cannot wrap a compressed one."""
+        """mlx-lm's ``kv_bits`` quantizes a full cache; it cannot wrap a compressed one. The
+        method's own storage (``kv_bits`` of :func:`kvcompress.make_prompt_cache`) holds the kept
+        slots in low bits instead."""
         raise ConfigError(
-            f"kv_bits={bits} cannot be combined with a kvcompress cache (it would quantize a full "
-            "cache, not the tokens the budget keeps); drop kv_bits, or quantize what leaves the "
-            "budget with the kivi / h2o_kivi methods"
+            f"mlx-lm's kv_bits={bits} cannot be combined with a kvcompress cache (it would quantize a "
+            f"full cache, not the tokens the budget keeps); drop it from the generate call and pass "
+            f"kv_bits to kvcompress.make_prompt_cache(model, method, budget=..., kv_bits={bits}, "
+            f"kv_group_size={group_size}) (or --kv-bits on kvcompress generate/serve) to store the kept "
+            "slots in low bits"
         )
 
     @classmethod

@@ -18,7 +18,7 @@ __all__ = [
 ]
 
 #: options that choose the method; refused with --prompt-cache-file (the file holds the method)
-METHOD_OPTIONS = ("method", "budget", "config", "param")
+METHOD_OPTIONS = ("method", "budget", "config", "param", "kv_bits", "kv_group_size")
 
 
 def positive_int(text: str) -> int:
@@ -89,20 +89,48 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML/JSON method config (instead of --method)")
     p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="extra method parameter, e.g. --param n_sink=4 (repeatable)")
+    p.add_argument("--kv-bits", default=None, metavar="BITS",
+                   help="store the kept keys and values in low bits: 2, 3, 4, 5, 6 or 8, or keys,values "
+                        "(8,4 or K8V4); every kept slot from the first token (default: the model's dtype)")
+    p.add_argument("--kv-group-size", default=None, metavar="N",
+                   help="with --kv-bits: entries per scale and bias, 32, 64 or 128 (default 64); must "
+                        "divide the model's head dimension")
+    # mlx-lm's option, refused with a reason (kvcompress quantizes from the first token)
+    p.add_argument("--quantized-kv-start", default=None, help=argparse.SUPPRESS)
 
 
 def method_from_args(args):
-    """The method ``--method/--budget/--config/--param`` describe (ConfigError if they cannot)."""
+    """The method ``--method/--budget/--config/--param`` and ``--kv-bits/--kv-group-size``
+    describe (ConfigError if they cannot). The storage options are the method's (its
+    ``storage``), never mlx-lm's ``kv_bits``, which would quantize a full cache."""
     from .config import load_config
     from .errors import ConfigError
     from .method import build_method
+    from .storage import KVStorage
 
     if args.config and args.method:
         raise ConfigError("give either --method or --config, not both")
+    if getattr(args, "quantized_kv_start", None) is not None:
+        raise ConfigError("--quantized-kv-start is mlx-lm's; kvcompress stores every kept slot in low bits from "
+                          "the first token (--kv-bits), so there is no start to choose: drop it")
     params = dict(args.param)
     if args.budget is not None:
         params["budget"] = args.budget
-    return build_method(load_config(args.config) if args.config else (args.method or "cam"), **params)
+    bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None)
+    for flag, name, value in (("--kv-bits", "kv_bits", bits), ("--kv-group-size", "kv_group_size", group)):
+        if value is None:
+            continue
+        if name in params:
+            raise ConfigError(f"give {name} once: {flag} or --param {name}=..., not both")
+        try:  # the value alone, so that the error names the option it came from
+            KVStorage.of(value) if name == "kv_bits" else KVStorage.of(None, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{flag} {value}: {exc}") from None
+        params[name] = int(value) if name == "kv_group_size" else value
+    method = build_method(load_config(args.config) if args.config else (args.method or "cam"), **params)
+    if group is not None and not method.storage.quantized:
+        raise ConfigError("--kv-group-size sets the groups of low-bit storage; give --kv-bits too")
+    return method
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +165,7 @@ def check_args(args):
                 p = Path(path)
                 setattr(args, opt, str(p.with_name(f"{p.stem}.rank{group.rank()}{p.suffix or '.safetensors'}")))
     if args.prompt_cache_file is not None:
-        given = [f"--{o}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
+        given = [f"--{o.replace('_', '-')}" for o in METHOD_OPTIONS if getattr(args, o) not in (None, [])]
         if given:
             raise ConfigError(
                 f"--prompt-cache-file continues the saved cache with the method stored in the file; "

@@ -133,12 +133,15 @@ def test_speculative_decoding_with_a_compressed_main_cache(model, draft, method)
 
 def test_kv_bits_with_a_compressed_cache_is_refused(model):
     """Bug: ``generate_step(..., kv_bits=4)`` with a compressed prompt cache silently ignored
-    ``kv_bits`` (the cache had no ``to_quantized``). It is now a clear ConfigError."""
+    ``kv_bits`` (the cache had no ``to_quantized``). It is now a clear ConfigError, which points
+    to kvcompress's own low-bit storage of the kept slots."""
     caches = kvcompress.make_prompt_cache(model, "h2o", budget=12)
     gen = generate_step(mx.array(prompt_tokens(20)), model, prompt_cache=caches, kv_bits=4, quantized_kv_start=0,
                         max_tokens=4)
-    with pytest.raises(kvcompress.ConfigError, match="kv_bits"):
+    with pytest.raises(kvcompress.ConfigError, match="mlx-lm's kv_bits=4 cannot be combined") as err:
         list(gen)
+    assert "kvcompress.make_prompt_cache(model, method, budget=..., kv_bits=4" in str(err.value)
+    assert "--kv-bits on kvcompress generate/serve" in str(err.value) and "\n" not in str(err.value)
     assert all(isinstance(c, kvcompress.CompressedKVCache) for c in caches)
 
 

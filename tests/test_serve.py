@@ -166,7 +166,9 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
     "args, message",
     [
         (["--method", "snapvk"], "did you mean 'snapkv'"),
-        (["--kv-bits", "4"], "--kv-bits"),
+        (["--kv-bits", "7"], "--kv-bits 7: kv_bits (keys) must be one of 2, 3, 4, 5, 6, 8"),
+        (["--kv-bits", "4"], "kv_group_size 64 does not divide the model's key head dimension 8"),
+        (["--quantized-kv-start", "0"], "--quantized-kv-start is mlx-lm's"),
         (["--method", "h2o", "--budget", "0"], "--budget"),
         (["--method", "h2o", "--budget", "3"], "budget 3 leaves no room to evict"),
         (["--model", "/no/such/model"], "cannot load --model"),

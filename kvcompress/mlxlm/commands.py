@@ -1,7 +1,9 @@
 """``kvcompress serve`` and ``kvcompress chat``: mlx-lm's server and chat with compressed caches.
 
-Both take the compression as ``--method NAME [--budget N] [--param K=V ...]`` or ``--config FILE``
-and pass every other flag to mlx-lm unchanged (``kvcompress serve --help`` lists both). The
+Both take the compression as ``--method NAME [--budget N] [--param K=V ...]`` or ``--config FILE``,
+with ``--kv-bits B [--kv-group-size G]`` for the method's low-bit storage of the kept slots (taken
+here, never passed to mlx-lm, whose ``kv_bits`` would quantize a full cache), and pass every other
+flag to mlx-lm unchanged (``kvcompress serve --help`` lists both). The
 method is built, and the installed mlx-lm checked, before anything starts; ``serve`` also loads
 its ``--model`` up front so a bad model or a budget the model cannot hold is refused at start-up.
 """
@@ -12,7 +14,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..errors import ConfigError, KVCompressError
+from ..errors import KVCompressError
 
 __all__ = ["main"]
 
@@ -76,11 +78,6 @@ def main(command: str, argv: Sequence[str]) -> int:
         return 0
     prog = f"kvcompress {command}"
     try:
-        if any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
-            raise ConfigError(
-                "--kv-bits quantizes a full cache and cannot be combined with a kvcompress cache; "
-                "drop it, or quantize what leaves the budget with --method kivi / h2o_kivi"
-            )
         names = SERVER_NAMES if command == "serve" else ("load", "main")
         check_mlx_lm(module, names)
         from ..generate import method_from_args

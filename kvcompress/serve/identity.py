@@ -9,8 +9,8 @@ describes all of that as one JSON text; the file stores it and a reader compares
   16, the last 16 and 64 evenly spaced), hashed. Any fine-tune, re-quantization or other
   checkpoint changes it; the same weights under another path do not (the cache is the same).
 * **draft model** (speculative decoding) -- the same, as its caches follow the main model's.
-* **method** -- the built method's configuration (every component's parameters, the budget
-  included) and its description.
+* **method** -- the built method's configuration (every component's parameters, the budget and the
+  storage of the kept slots, ``kv_bits`` / ``kv_group_size``, included) and its description.
 * **formats** -- this file format's version, kvcompress's version, mlx-lm's minor version.
 """
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from ..errors import KVCompressError
 
-__all__ = ["server_parser", "parse_server_args", "check_server_args", "OWN_OPTIONS"]
+__all__ = ["server_parser", "parse_server_args", "check_server_args", "check_storage_args", "OWN_OPTIONS"]
 
 #: kvcompress serve's own options (besides --method/--budget/--config/--param)
 OWN_OPTIONS = ("max_concurrent_requests", "prompt_cache_dir", "prompt_cache_dir_bytes")
@@ -76,6 +76,8 @@ def server_parser() -> argparse.ArgumentParser:
     p = _mlx_parser()
     p.prog, p.description = "kvcompress serve", "mlx-lm's OpenAI-compatible server with every KV cache compressed"
     for action in p._actions:
+        if action.dest in _MLX_STORAGE:  # kvcompress serve's own --kv-bits / --kv-group-size say it
+            action.help = argparse.SUPPRESS
         if action.dest == "prompt_cache_size":
             action.help = ("prompt-cache sequences kept (default: 10): entries no other extends -- a finished "
                            "request, a conversation's last turn; with them, up to as many shorter compressed "
@@ -93,6 +95,33 @@ def server_parser() -> argparse.ArgumentParser:
                      help="the most the cache files in --prompt-cache-dir hold together, e.g. 2GB, 500MB, "
                           "1.5GiB; the least recently used files are removed first (default: 10GB)")
     return p
+
+
+#: mlx_lm.server's options that quantize a full cache; ``kvcompress serve`` takes ``--kv-bits`` and
+#: ``--kv-group-size`` as the method's storage instead (:func:`kvcompress.generate.method_from_args`)
+_MLX_STORAGE = ("kv_bits", "kv_group_size", "quantized_kv_start")
+
+
+def check_storage_args(cli_args) -> None:
+    """Raise KVCompressError if mlx-lm's own ``--kv-bits`` / ``--kv-group-size`` /
+    ``--quantized-kv-start`` reached the server's options: with a kvcompress cache they are the
+    method's (built before the server), never mlx-lm's, which would quantize a full cache."""
+    try:
+        from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START as start
+    except ImportError:  # pragma: no cover - another mlx-lm
+        start = None
+    defaults = {"kv_bits": None, "kv_group_size": 64, "quantized_kv_start": start}
+    for dest in _MLX_STORAGE:
+        value = getattr(cli_args, dest, None)
+        if value is None or value == defaults[dest]:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest == "quantized_kv_start":
+            raise KVCompressError(f"{flag} is mlx-lm's; kvcompress stores every kept slot in low bits from the "
+                                  "first token (--kv-bits), so there is no start to choose: drop it")
+        raise KVCompressError(f"{flag} reached mlx-lm's server options, where it would quantize a full cache; "
+                              f"it is the method's storage: give it on the kvcompress serve command line, or "
+                              f"build the method with {dest}=...")
 
 
 def parse_server_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -94,13 +94,11 @@ def run_server(method, argv: Sequence[str]) -> int:
     from .admission import Admission
     from .app import AppState, build_app
     from .generator import SupervisedGenerator
-    from .options import check_server_args, parse_server_args
+    from .options import check_server_args, check_storage_args, parse_server_args
     from .persistent_cache import PersistentPromptCache
 
     cli = parse_server_args(argv)
-    if cli.kv_bits is not None:
-        raise KVCompressError("--kv-bits quantizes a full cache and cannot be combined with a kvcompress cache; "
-                              "drop it, or quantize what leaves the budget with --method kivi / h2o_kivi")
+    check_storage_args(cli)  # mlx-lm's --kv-bits would quantize a full cache: the method's storage does it
     check_server_args(cli)
     logging.basicConfig(level=getattr(logging, cli.log_level.upper()), format="%(asctime)s - %(levelname)s - %(message)s")
     try:
