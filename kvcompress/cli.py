@@ -26,6 +26,7 @@ BENCH_WORKLOADS = {
     "distributed": "kvcompress.bench.distributed",
     "longctx": "kvcompress.bench.longctx",
     "longppl": "kvcompress.bench.longctx_ppl",
+    "storage": "kvcompress.bench.storage",
 }
 DEFAULT_WORKLOAD = "retrieval"
 #: Every command with its one-line summary, in the groups ``kvcompress --help`` lists them in.

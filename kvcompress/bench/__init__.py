@@ -12,6 +12,8 @@ Workloads (each exposes ``add_arguments(parser)`` and ``run(args)`` for ``kvcomp
   ``RotatingKVCache`` on a random-weight Llama (``run_speed``), with a decode profile.
 * :mod:`kvcompress.bench.scaling` -- speed and memory of every method against context length at
   several budgets (``run_scaling``).
+* :mod:`kvcompress.bench.storage` -- low-bit storage (``kv_bits``): decode speed paired against the
+  same method's float storage, and bytes against a full float16 cache (``run_storage``).
 
 Shared pieces:
 
