@@ -35,7 +35,7 @@ from .components import KINDS
 from .contexts import Eviction, LayerInfo, Selection
 from .errors import ConfigError, KVCompressError
 from .group import PromptGroup, new_group
-from .storage import as_float, concat_slots, put_slots, rewritten, take_slots, zeros_like_rows
+from .storage import concat_slots, put_slots, rewritten, take_slots, zeros_like_rows
 
 __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
 
@@ -251,12 +251,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             return self.keys, self.values
         return self.keys[..., : self._n, :], self.values[..., : self._n, :]
 
-    def _float_kv(self) -> tuple:
-        """The stored keys and values as components see them (low-bit slots lazily dequantized:
-        only what a component reads is computed)."""
-        k, v = self.keys_and_values()
-        return as_float(k), as_float(v)
-
     def _evict(self, need: list):
         """Free ``need[b]`` slots (or the selector's whole chunks) per row; returns
         ``(slots [B, H, E], real [B, H, E] or None)``."""
@@ -307,15 +301,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             written=self._written_slots(),
         )
         return ev
-
-    def _written_slots(self):
-        """The slots written since the last eviction, if those are all that changed (else None)."""
-        w = self._written
-        if w is None or w[0] is not self.keys:
-            return None
-        if len(w[1]) == 1:
-            return w[1][0]
-        return mx.concatenate(w[1], axis=-1) if w[1] else mx.zeros(self._pos.shape[:2] + (0,), mx.int32)
 
     def _mark_freed(self, slots: mx.array, real) -> None:
         """Freed slots become empty (position -1)."""

@@ -25,6 +25,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .storage import as_float
+
 
 class _PlanMixin:
     _planned: Optional[tuple] = None
@@ -70,3 +72,18 @@ class _PlanMixin:
             return []
         ev, plan = self._planned[2], self._planned[3]
         return [ev.evict, *(a for a in plan if isinstance(a, mx.array))]
+
+    def _float_kv(self) -> tuple:
+        """The stored keys and values as components see them (low-bit slots lazily dequantized:
+        only what a component reads is computed)."""
+        k, v = self.keys_and_values()
+        return as_float(k), as_float(v)
+
+    def _written_slots(self):
+        """The slots written since the last eviction, if those are all that changed (else None)."""
+        w = self._written
+        if w is None or w[0] is not self.keys:
+            return None
+        if len(w[1]) == 1:
+            return w[1][0]
+        return mx.concatenate(w[1], axis=-1) if w[1] else mx.zeros(self._pos.shape[:2] + (0,), mx.int32)

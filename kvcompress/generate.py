@@ -106,7 +106,7 @@ def method_from_args(args):
     from .config import load_config
     from .errors import ConfigError
     from .method import build_method
-    from .storage import KVStorage
+    from .storage import option_params
 
     if args.config and args.method:
         raise ConfigError("give either --method or --config, not both")
@@ -116,17 +116,8 @@ def method_from_args(args):
     params = dict(args.param)
     if args.budget is not None:
         params["budget"] = args.budget
-    bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None)
-    for flag, name, value in (("--kv-bits", "kv_bits", bits), ("--kv-group-size", "kv_group_size", group)):
-        if value is None:
-            continue
-        if name in params:
-            raise ConfigError(f"give {name} once: {flag} or --param {name}=..., not both")
-        try:  # the value alone, so that the error names the option it came from
-            KVStorage.of(value) if name == "kv_bits" else KVStorage.of(None, value)
-        except ConfigError as exc:
-            raise ConfigError(f"{flag} {value}: {exc}") from None
-        params[name] = int(value) if name == "kv_group_size" else value
+    group = getattr(args, "kv_group_size", None)
+    params.update(option_params(getattr(args, "kv_bits", None), group, params))
     method = build_method(load_config(args.config) if args.config else (args.method or "cam"), **params)
     if group is not None and not method.storage.quantized:
         raise ConfigError("--kv-group-size sets the groups of low-bit storage; give --kv-bits too")

@@ -111,6 +111,23 @@ class KVStorage:
         return x if bits is None else QuantizedSlots.quantize(x, bits, self.group_size)
 
 
+def option_params(bits: Any, group: Any, params: dict) -> dict:
+    """``kv_bits`` / ``kv_group_size`` from the ``--kv-bits`` / ``--kv-group-size`` options (each
+    checked alone, so that an error names the option it came from)."""
+    out = {}
+    for flag, name, value in (("--kv-bits", "kv_bits", bits), ("--kv-group-size", "kv_group_size", group)):
+        if value is None:
+            continue
+        if name in params:
+            raise ConfigError(f"give {name} once: {flag} or --param {name}=..., not both")
+        try:
+            KVStorage.of(value) if name == "kv_bits" else KVStorage.of(None, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{flag} {value}: {exc}") from None
+        out[name] = int(value) if name == "kv_group_size" else value
+    return out
+
+
 def _scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
     return mx.float16 if dtype == mx.float32 else dtype
 
