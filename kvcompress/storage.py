@@ -318,9 +318,12 @@ def keys_product(q: mx.array, keys, t: int) -> mx.array:
     ``[B, H, G, n, t]`` logits (each KV head's ``G * n`` query rows in one product)."""
     b, h, g, n, d = q.shape
     if isinstance(keys, QuantizedSlots):
+        from ._lowbit import quantized_matmul
+
         k = keys if keys.shape[2] == t else keys[..., :t, :]
-        out = mx.quantized_matmul(q.reshape(b, h, g * n, d), k.codes, k.scales, k.biases, transpose=True,
-                                  group_size=k.group_size, bits=k.bits)
+        qmm = quantized_matmul if k.bits in (2, 4, 8) else mx.quantized_matmul
+        out = qmm(q.reshape(b, h, g * n, d), k.codes, k.scales, k.biases, transpose=True,
+                  group_size=k.group_size, bits=k.bits)
         return out.reshape(b, h, g, n, t)
     k = keys if keys.shape[2] == t else keys[..., :t, :]
     k = k if k.dtype == mx.float32 else k.astype(mx.float32)

@@ -60,6 +60,38 @@ def test_kernel_equals_mlx_for_float32_queries(kernel, bits, group, sdtype):
         assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()) <= 2e-6 * scale
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", list(DTYPES))
+def test_transposed_kernel_equals_mlx_for_float32_queries(kernel, bits, group, sdtype):
+    """``transpose=True`` (queries times low-bit keys): MLX's result up to float32 rounding, for
+    1..16 rows, rows of any number of groups."""
+    rng = np.random.default_rng(bits * 100 + group)
+    q, s, b = _store(rng, (2, 3, 37, 256), bits, group, DTYPES[sdtype])
+    for m in (1, 3, 4, 5, 9, 16):
+        x = mx.array(rng.normal(size=(2, 3, m, 256)).astype(np.float32))
+        got = ops.quantized_matmul(x, q, s, b, group_size=group, bits=bits, transpose=True)
+        want = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
+        assert got.dtype == want.dtype and got.shape == want.shape == (2, 3, m, 37)
+        # float64 product of the codes' exact values (scales and biases widened before dequantizing)
+        keys = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits)
+        ref = np.array(x, dtype=np.float64) @ np.array(keys, dtype=np.float64).swapaxes(-1, -2)
+        scale = np.abs(ref).max()
+        assert np.abs(np.array(got) - ref).max() <= 1e-5 * scale
+        if sdtype == "float32":  # (MLX sums half-precision scales' products in half precision)
+            assert float(mx.abs(got - want).max().item()) <= 1e-5 * scale
+
+
+def test_transposed_kernel_reads_any_layout_like_mlx(kernel):
+    rng = np.random.default_rng(4)
+    q, s, b = _store(rng, (3, 50, 128), 4, 64, mx.float16)
+    x = mx.array(rng.normal(size=(3, 128, 4)).astype(np.float32)).swapaxes(-1, -2)  # strided rows
+    for qq, ss, bb, xx in ((q, s, b, x), (q[:1], s[:1], b[:1], x), (q[:, 7:30], s[:, 7:30], b[:, 7:30], x[:1])):
+        got = ops.quantized_matmul(xx, qq, ss, bb, group_size=64, bits=4, transpose=True)
+        want = mx.quantized_matmul(xx, qq, ss, bb, transpose=True, group_size=64, bits=4)
+        assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+
+
 @pytest.mark.parametrize("sdtype", ["float16", "bfloat16"])
 def test_kernel_half_precision_queries_accumulate_in_float32(kernel, sdtype):
     """Half-precision ``x``: closer to the float64 product than MLX (which sums in half)."""
@@ -119,6 +151,10 @@ def test_kernel_baseline_build_without_avx2(kernel):
             got = ops.quantized_matmul(x, q, s, b, group_size=group, bits=bits)
             want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=group, bits=bits)
             assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item(), (bits, group)
+            x = mx.array(rng.normal(size=(2, 5, 512)).astype(np.float32))
+            got = ops.quantized_matmul(x, q, s, b, group_size=group, bits=bits, transpose=True)
+            want = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item(), (bits, group, "transposed")
         print("ok")
     """)
     env = {**os.environ, "KVCOMPRESS_LOWBIT_NO_AVX2": "1"}

@@ -1,12 +1,14 @@
-"""Few-row low-bit matmul on the CPU: ``x @ dequantize(w)`` for packed affine codes.
+"""Few-row low-bit matmul on the CPU: ``x @ dequantize(w)`` (or ``x @ dequantize(w).T``) for
+packed affine codes.
 
-A drop-in for ``mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size, bits)``
-with few rows of ``x`` (decode steps: a KV head's query heads). MLX's CPU kernel for
-``transpose=False`` unpacks every code again for each row of ``x``; this one (an MLX custom
-primitive in ``csrc/``, lazy like any MLX op, on the CPU stream's own thread) unpacks each
-16-column tile once per block of four rows and accumulates in float32 (AVX2+FMA where the CPU
-has it, SSE2 otherwise): at KIVI's decode shapes (4 rows, 2-bit codes, 3.6k tokens) it is ~7x
-MLX's kernel. Float32 ``x`` gives MLX's result up to float32 rounding; half-precision ``x`` is
+A drop-in for ``mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits)`` with few
+rows of ``x`` (decode steps: a KV head's query heads). MLX's CPU kernel for ``transpose=False``
+unpacks every code again for each row of ``x``; this one (an MLX custom primitive in ``csrc/``,
+lazy like any MLX op, on the CPU stream's own thread) unpacks each 16-column tile once per block
+of four rows and accumulates in float32 (AVX2+FMA where the CPU has it, SSE2 otherwise): at KIVI's
+decode shapes (4 rows, 2-bit codes, 3.6k tokens) it is ~7x MLX's kernel. ``transpose=True``
+(queries times low-bit keys) unpacks each key row once for four query rows and sums each group's
+products as vectors before its scale: ``s * sum(x q) + z * sum(x)``. Float32 ``x`` gives MLX's result up to float32 rounding; half-precision ``x`` is
 accumulated in float32 where MLX accumulates in half precision.
 
 It is compiled on first use against the installed mlx (see :mod:`._build`); elsewhere (not Linux
@@ -64,9 +66,12 @@ def _probe(module) -> None:
     q, s, b = mx.quantize(w, group_size=32, bits=2)
     x = mx.array(rng.normal(size=(2, 3, 64)).astype(np.float32))
     want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=2)
+    want_t = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=2)
     try:
         got = module.qmm(x, q, s, b, group_size=32, bits=2, stream=mx.cpu)
-        ok = bool(mx.allclose(got, want, rtol=1e-4, atol=1e-4).item())
+        got_t = module.qmm(x, q, s, b, group_size=32, bits=2, transpose=True, stream=mx.cpu)
+        ok = bool(mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()) and bool(
+            mx.allclose(got_t, want_t, rtol=1e-4, atol=1e-4).item())
     except (TypeError, RuntimeError, ValueError) as e:
         raise _build.BuildError(
             f"the built low-bit kernel cannot be called ({e}); nanobind {_build._nanobind_version()} "
@@ -85,13 +90,13 @@ def prepare() -> bool:
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
-                     group_size: int, bits: int) -> mx.array:
-    """``mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size, bits)`` (affine)."""
+                     group_size: int, bits: int, transpose: bool = False) -> mx.array:
+    """``mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits)`` (affine)."""
     if mx.default_device() == mx.cpu:
         module = _kernel()
         if module is not None:
-            return module.qmm(x, w, scales, biases, group_size=group_size, bits=bits)
-    return mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size=group_size, bits=bits)
+            return module.qmm(x, w, scales, biases, group_size=group_size, bits=bits, transpose=transpose)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits)
 
 
 def status(build: bool = False) -> dict:

@@ -8,9 +8,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_lowbit_qmm, m) {
-  m.doc() = "Few-row CPU quantized_matmul (transpose=False) for MLX";
+  m.doc() = "Few-row CPU quantized_matmul (either transpose) for MLX";
   m.def("qmm", &lowbit::qmm_few_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a = 64, "bits"_a = 4,
-        nb::kw_only(), "stream"_a = nb::none(),
-        "quantized_matmul(x, w, scales, biases, transpose=False, group_size, bits) for few rows of x");
+        nb::kw_only(), "transpose"_a = false, "stream"_a = nb::none(),
+        "quantized_matmul(x, w, scales, biases, transpose, group_size, bits) for few rows of x");
   m.def("has_avx2", &lowbit::has_avx2);
 }

@@ -1,4 +1,6 @@
-// Few-row affine quantized matmul kernel (transpose=False): out[b,m,n] = sum_k x[b,m,k] * (s[b,k,n/g] * q[b,k,n] + z[b,k,n/g])
+// Few-row affine quantized matmul kernels:
+//   transpose=False: out[b,m,n] = sum_k x[b,m,k] * (s[b,k,n/g] * q[b,k,n] + z[b,k,n/g])   (w [K, N*bits/32])
+//   transpose=True:  out[b,m,n] = sum_k x[b,m,k] * (s[b,n,k/g] * q[b,n,k] + z[b,n,k/g])   (w [N, K*bits/32])
 // Pure C++ (no MLX headers) so it can be compiled twice (baseline x86-64 and AVX2+FMA) without ODR hazards.
 #pragma once
 #include <cstdint>
@@ -8,12 +10,12 @@ namespace lowbit {
 enum DT : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 struct Args {
-  int M, K, N, bits, group;
+  int M, K, N, bits, group, transpose;
   int x_dt, s_dt, out_dt;
   int64_t batch;
   const void* x; const int64_t* x_off; int64_t x_sm, x_sk;      // element offsets / strides
-  const uint32_t* w; const int64_t* w_off; int64_t w_sk, w_sj;  // w [K, N*bits/32]
-  const void* s; const int64_t* s_off; int64_t s_sk, s_sg;      // scales [K, N/group]
+  const uint32_t* w; const int64_t* w_off; int64_t w_sk, w_sj;  // w row stride, word stride
+  const void* s; const int64_t* s_off; int64_t s_sk, s_sg;      // scales row stride, group stride
   const void* b; const int64_t* b_off; int64_t b_sk, b_sg;      // biases [K, N/group]
   void* out;                                                   // contiguous [batch, M, N]
   float* scratch_x; float* scratch_o;                          // [K*4], [4*N] floats

@@ -1,6 +1,7 @@
 // compiled with -mavx2 -mfma; only called after a runtime CPU check
 #include "kernel.h"
 #include <cstring>
+#include <vector>
 namespace lowbit { namespace avx2 {
 #include "kernel_impl.inc"
 } }

@@ -1,5 +1,6 @@
 #include "kernel.h"
 #include <cstring>
+#include <vector>
 #define LOWBIT_LUT 1
 namespace lowbit { namespace base {
 #include "kernel_impl.inc"

@@ -26,10 +26,10 @@ static int dt_code(mx::Dtype d) {
 }
 
 mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+                       const mx::array& biases, int group_size, int bits, bool transpose, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
-    return mx::quantized_matmul(x, w, scales, biases, false, group_size, bits, "affine", s);
+    return mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, "affine", s);
   auto fail = [&](const std::string& m) { throw std::invalid_argument("[qmm_few_rows] " + m); };
   if (bits != 2 && bits != 4 && bits != 8) fail("bits must be 2, 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
@@ -39,9 +39,12 @@ mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& 
   if (scales.dtype() != biases.dtype()) fail("scales and biases must have the same dtype");
   if (!std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) || w.ndim() != scales.ndim())
     fail("w and scales batch/row shapes differ");
-  int K = w.shape(-2), N = w.shape(-1) * 32 / bits;
-  if (scales.shape(-1) * group_size != N) fail("w and scales shapes incompatible with group_size/bits");
-  if (x.shape(-1) != K) fail("last dim of x must equal w.shape(-2) (transpose=False)");
+  int packed = w.shape(-1) * 32 / bits;  // entries per row of w
+  int K = transpose ? packed : w.shape(-2), N = transpose ? w.shape(-2) : packed;
+  if (scales.shape(-1) * group_size != packed) fail("w and scales shapes incompatible with group_size/bits");
+  if (x.shape(-1) != K)
+    fail(transpose ? "last dim of x must equal the entries of a row of w (transpose=True)"
+                   : "last dim of x must equal w.shape(-2) (transpose=False)");
   auto dtype = mx::promote_types(x.dtype(), scales.dtype());
   dt_code(dtype); dt_code(x.dtype()); dt_code(scales.dtype());
   std::vector<mx::array> inputs = {x, w, scales, biases};
@@ -57,7 +60,7 @@ mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& 
   }
   auto out_shape = inputs[0].shape();
   out_shape.back() = N;
-  return mx::array(std::move(out_shape), dtype, std::make_shared<LowbitQmm>(stream, group_size, bits),
+  return mx::array(std::move(out_shape), dtype, std::make_shared<LowbitQmm>(stream, group_size, bits, transpose),
                    std::move(inputs));
 }
 
@@ -91,7 +94,8 @@ void LowbitQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   enc.set_output_array(out);
 
   Args a{};
-  a.K = w.shape(-2);
+  a.transpose = transpose_ ? 1 : 0;
+  a.K = transpose_ ? w.shape(-1) * 32 / bits_ : w.shape(-2);
   a.N = out.shape(-1);
   a.M = x.ndim() > 1 ? x.shape(-2) : 1;
   a.bits = bits_;
@@ -122,7 +126,7 @@ void LowbitQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   a.b = b.data<void>();
   a.out = out.data<void>();
   enc.dispatch([a, xo, wo, so, bo]() mutable {
-    std::vector<float> sx((size_t)a.K * 4), so_((size_t)a.N * 4);
+    std::vector<float> sx((size_t)a.K * 4), so_((size_t)a.N * 4);  // 4 rows of x, 4 rows of output
     a.x_off = xo->data();
     a.w_off = wo->data();
     a.s_off = so->data();
@@ -140,12 +144,12 @@ void LowbitQmm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool LowbitQmm::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const LowbitQmm&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && transpose_ == o.transpose_;
 }
 
 std::vector<mx::Shape> LowbitQmm::output_shapes(const std::vector<mx::array>& inputs) {
   auto sh = inputs[0].shape();
-  sh.back() = inputs[1].shape(-1) * 32 / bits_;
+  sh.back() = transpose_ ? inputs[1].shape(-2) : inputs[1].shape(-1) * 32 / bits_;
   return {sh};
 }
 

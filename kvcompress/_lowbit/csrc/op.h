@@ -6,17 +6,18 @@ namespace mx = mlx::core;
 
 namespace lowbit {
 
-// Drop-in for mx::quantized_matmul(x, w, scales, biases, transpose=false, group_size, bits, "affine")
+// Drop-in for mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, "affine")
 // on the CPU: unpacks each tile of codes once for up to 4 rows of x.
 mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
-                       const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
+                       const mx::array& biases, int group_size, int bits, bool transpose = false,
+                       mx::StreamOrDevice s = {});
 
 bool has_avx2();
 
 class LowbitQmm : public mx::UnaryPrimitive {
  public:
-  LowbitQmm(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  LowbitQmm(mx::Stream stream, int group_size, int bits, bool transpose = false)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), transpose_(transpose) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "LowbitQmm"; }
@@ -25,6 +26,7 @@ class LowbitQmm : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool transpose_;
 };
 
 }  // namespace lowbit
