@@ -220,3 +220,40 @@ def test_ranks_that_disagree_raise_the_same_config_error_on_every_rank(agreement
     if run != "odd":
         agreed = [r["methods"]["agreed"] for r in ranks]
         assert "error" not in agreed[0] and agreed[0] == agreed[1]
+
+
+#: low-bit storage under tensor parallelism (a llama with head_dim 32: one group of 32 per vector)
+LOW_BIT = ["h2o:kv_bits=4,kv_group_size=32", "snapkv:kv_bits=8,kv_group_size=32", "cam:kv_bits=4,kv_group_size=32",
+           "kvzip:kv_bits=4,kv_group_size=32"]
+
+
+@pytest.fixture(scope="module")
+def low_bit_runs(tmp_path_factory):
+    from mlx_lm.models import llama
+    from mlx_lm.utils import load
+
+    root = tmp_path_factory.mktemp("dist-lowbit")
+    mx.random.seed(0)
+    a = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
+                        vocab_size=72, rope_theta=10000.0, tie_word_embeddings=True)
+    folder = _write(llama.Model(a), a, root / "llama32")
+    ranks = _launch(folder, "tp", root / "out", LOW_BIT)
+    model, _ = load(str(folder))
+    prompt = mx.array(json.loads((folder / "prompt.json").read_text()))
+    return ranks, {m: dist_worker.run(model, prompt, m, BUDGET, N_TOKENS) for m in LOW_BIT}
+
+
+@pytest.mark.parametrize("method", LOW_BIT)
+def test_low_bit_ranks_equal_the_single_process_run(low_bit_runs, method):
+    """Each rank quantizes its own heads' vectors, exactly as one process quantizes them: the
+    same tokens and the same kept positions per head."""
+    ranks, refs = low_bit_runs
+    ref = refs[method]
+    for r in ranks:
+        got = r["methods"][method]
+        assert "error" not in got, got.get("error")
+        assert got["tokens"] == ref["tokens"], f"rank {r['rank']}: tokens differ from the single-process run"
+        for layer, entry in got["layers"].items():
+            h, off = len(entry["positions"]), entry["head_offset"]
+            assert entry["positions"] == ref["layers"][layer]["positions"][off : off + h]
