@@ -234,3 +234,36 @@ def test_generate_with_kv_bits_on_a_saved_model(saved_model, tmp_path, capsys):
     assert main(["generate", "--model", str(saved_model), "--prompt-cache-file", str(saved), "--prompt", "a b",
                  "--max-tokens", "2", "--ignore-chat-template"]) == 0
     assert "Generation: 2 tokens" in capsys.readouterr().out
+
+
+def test_serve_with_kv_bits_batches_requests_and_reuses_a_conversations_cache(saved_model, tmp_path):
+    """A real ``kvcompress serve --kv-bits 4`` on 127.0.0.1: concurrent requests are answered
+    (continuous batching of low-bit rows), and the next turn of a conversation resumes its
+    compressed low-bit cache (cached_tokens), past the budget."""
+    import threading
+
+    from _serve_helpers import post, start
+
+    p = start(tmp_path, saved_model, "--kv-bits", "4", method=("--method", "snapkv", "--budget", "40"))
+    try:
+        url = p.url
+        results = []
+
+        def ask(i):
+            results.append(post(url + "/v1/completions", {"prompt": LONG + f" {i}", "max_tokens": 6,
+                                                          "temperature": 0}))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 3 and all(s == 200 and r["usage"]["completion_tokens"] == 6 for s, r, _ in results)
+        first = post(url + "/v1/completions", {"prompt": LONG, "max_tokens": 4, "temperature": 0})[1]
+        n = first["usage"]["prompt_tokens"]
+        again = post(url + "/v1/completions", {"prompt": LONG + first["choices"][0]["text"] + " a b",
+                                               "max_tokens": 4, "temperature": 0})[1]
+        # (the first turn's last token may merge with the reply's first one when re-tokenized)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= n - 1 > 40
+    finally:
+        p.stop()
