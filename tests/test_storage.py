@@ -225,3 +225,26 @@ def test_bench_storage_quick_pairs_decode_and_counts_the_codes(tmp_path):
     for m in ("snapkv", "h2o"):  # the quick context is 4x the budget: 4 bits beat 4x float32 by > 3x
         assert by[(m, "K4V4/g64")]["vs_fp16"] > 3 * by[(m, "float")]["vs_fp16"] > 3 * 1.9
         assert by[(m, "K8V8/g64")]["kv_bytes"] < by[(m, "float")]["kv_bytes"] / 3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_speculative_decoding_with_a_low_bit_main_cache(bits):
+    """Rejected draft tokens are trimmed from low-bit slots: the main cache's offset is what a
+    KVCache's is for the accepted tokens, and with a budget above the sequence the tokens are
+    plain greedy decoding's with the same storage."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.models import cache as mlx_cache
+
+    model, draft = _model(), tiny_llama(n_layers=1, hidden=256, heads=4, kv_heads=2, seed=3)
+    prompt = mx.array(np.random.default_rng(5).integers(1, 97, 30), dtype=mx.int32)
+    for budget in (24, 200):
+        main = kvcompress.make_prompt_cache(model, "h2o", budget=budget, kv_bits=bits)
+        out = list(speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=20,
+                                             prompt_cache=main + [mlx_cache.KVCache() for _ in draft.layers]))
+        assert any(not d for _, _, d in out) and any(d for _, _, d in out)  # drafts accepted and rejected
+        want = len(prompt) - 1 + len(out) + (1 if out[-1][2] else 0)
+        assert all(c.offset == want and c.tokens_kept <= c.offset for c in main)
+        if budget == 200:
+            plain = kvcompress.make_prompt_cache(model, "h2o", budget=budget, kv_bits=bits)
+            greedy = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=plain, max_tokens=20)]
+            assert [int(t) for t, _, _ in out] == greedy
