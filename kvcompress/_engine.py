@@ -264,7 +264,9 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._states["disposition"] = ev.state
         if self._store.quantized:  # what the disposition rewrote is stored again (the rest as it was)
             held = self.keys_and_values()
-            k, v = (rewritten(new, seen, old) for new, seen, old in zip((k, v), (ev.keys, ev.values), held))
+            rows = (None, None) if ev.rewritten is None else ev.rewritten[1:]
+            k, v = (rewritten(new, seen, old, None if ev.rewritten is None else (ev.rewritten[0], r))
+                    for new, seen, old, r in zip((k, v), (ev.keys, ev.values), held, rows))
         self.keys, self.values = k, v
         self._written = (k, [])
         self._rounds += 1

@@ -254,3 +254,7 @@ class Eviction:
     owner: Optional[mx.array] = None
     heads_per_row: int = 1
     written: Optional[mx.array] = None
+    #: set by a disposition that overwrote only some stored vectors: ``(slots [B, H, W] int32,
+    #: key rows [B, H, W, D] or None, value rows [B, H, W, D_v] or None)`` -- exactly what it wrote
+    #: into the keys/values it returns (None: unchanged); a low-bit store then re-quantizes only these
+    rewritten: Optional[tuple] = None

@@ -297,14 +297,18 @@ def _slots(codes, scales, biases, bits, group_size, dtype: str) -> QuantizedSlot
     return QuantizedSlots(codes, scales, biases, bits, group_size, _DTYPES[dtype])
 
 
-def rewritten(new, seen, held):
+def rewritten(new, seen, held, written: Optional[tuple] = None):
     """The store after a disposition returned ``new`` for the vectors ``seen`` of ``held``:
     a float store takes ``new``; a low-bit one stays as it is where the disposition returned what
-    it was given (drop) and is quantized again only where a vector changed (a merge)."""
+    it was given (drop), re-stores only the rows it says it wrote (``written``: ``(slots, rows or
+    None)``, see ``Eviction.rewritten``), else is quantized again where a vector changed."""
     if not isinstance(held, QuantizedSlots):
         return new
     if new is seen:
         return held
+    if written is not None:
+        slots, rows = written
+        return held if rows is None else put_slots(held, slots, rows)
     again, same = held.like(new), mx.all(new == seen, axis=-1, keepdims=True)
     return QuantizedSlots(*(mx.where(same, a, b) for a, b in zip(held.leaves(), again.leaves())),
                           held.bits, held.group_size, held.dtype)

@@ -248,3 +248,32 @@ def test_speculative_decoding_with_a_low_bit_main_cache(bits):
             plain = kvcompress.make_prompt_cache(model, "h2o", budget=budget, kv_bits=bits)
             greedy = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=plain, max_tokens=20)]
             assert [int(t) for t, _, _ in out] == greedy
+
+
+def test_a_merge_that_says_which_rows_it_wrote_stores_what_a_full_requantization_stores(monkeypatch):
+    """CaM's decode merge reports the rows it overwrote (``Eviction.rewritten``): re-storing only
+    those gives the codes that quantizing the whole returned store again gives."""
+    import kvcompress_cam.merge as merge
+
+    def run():
+        model = _model()
+        c = kvcompress.make_prompt_cache(model, "cam", budget=40, kv_bits=4)
+        logits = _prefill(model, c)
+        for _ in range(6):
+            logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
+        return c
+
+    fast = run()
+    real = merge._write_rows
+
+    def unreported(ev, rows):
+        out = real(ev, rows)
+        ev.rewritten = None  # the engine must find the changed vectors itself
+        return out
+
+    monkeypatch.setattr(merge, "_write_rows", unreported)
+    slow = run()
+    assert sum(int(mx.sum(c.component_state("disposition").merges)) for c in fast) > 0
+    for a, b in zip(fast, slow):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert all(mx.array_equal(p, q) for p, q in zip(x.leaves(), y.leaves()))

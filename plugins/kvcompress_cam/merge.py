@@ -316,6 +316,7 @@ def _write_rows(ev, rows):
     """``(keys, values, scores, merges, norms)``: the rows of :meth:`GatedMerge._nearest_rows`
     written into the stored arrays."""
     target, vrow, krow, s_t, done, norms = rows
+    ev.rewritten = (target, krow, vrow)  # only these rows changed (a low-bit store re-stores just them)
     idx = target[..., None]
     values = mx.put_along_axis(ev.values, idx, vrow, axis=2)
     keys = ev.keys if krow is None else mx.put_along_axis(ev.keys, idx, krow, axis=2)
