@@ -136,6 +136,22 @@ def _methods():
     return sorted(kvcompress.get_registry().methods) + VARIANTS
 
 
+def _assert_ranks_match(ranks, ref, method) -> set:
+    """Every rank generated the single-process run's tokens and kept its positions for the heads
+    it holds; returns the layers the ranks hold between them."""
+    layers_seen = set()
+    for r in ranks:
+        got = r["methods"][method]
+        assert "error" not in got, got.get("error")
+        assert got["tokens"] == ref["tokens"], f"rank {r['rank']}: tokens differ from the single-process run"
+        for layer, entry in got["layers"].items():
+            h, off = len(entry["positions"]), entry["head_offset"]
+            want = ref["layers"][layer]["positions"][off : off + h]
+            assert entry["positions"] == want, f"rank {r['rank']} layer {layer}: kept positions differ"
+            layers_seen.add(layer)
+    return layers_seen
+
+
 @pytest.mark.parametrize("mode", ["tp", "pp", "mla"])
 @pytest.mark.parametrize("method", _methods())
 def test_ranks_equal_the_single_process_run(runs, mode, method):
@@ -159,16 +175,7 @@ def test_ranks_equal_the_single_process_run(runs, mode, method):
         assert "error" not in ref  # a single process runs it
         return
     assert "error" not in ref, ref.get("error")
-    layers_seen = set()
-    for r in ranks:
-        got = r["methods"][method]
-        assert "error" not in got, got.get("error")
-        assert got["tokens"] == ref["tokens"], f"rank {r['rank']}: tokens differ from the single-process run"
-        for layer, entry in got["layers"].items():
-            h, off = len(entry["positions"]), entry["head_offset"]
-            want = ref["layers"][layer]["positions"][off : off + h]
-            assert entry["positions"] == want, f"rank {r['rank']} layer {layer}: kept positions differ"
-            layers_seen.add(layer)
+    layers_seen = _assert_ranks_match(ranks, ref, method)
     assert layers_seen == set(ref["layers"])  # between them the ranks hold every compressed layer
     if mode == "pp":
         assert not set(ranks[0]["methods"][method]["layers"]) & set(ranks[1]["methods"][method]["layers"])
@@ -249,11 +256,4 @@ def test_low_bit_ranks_equal_the_single_process_run(low_bit_runs, method):
     """Each rank quantizes its own heads' vectors, exactly as one process quantizes them: the
     same tokens and the same kept positions per head."""
     ranks, refs = low_bit_runs
-    ref = refs[method]
-    for r in ranks:
-        got = r["methods"][method]
-        assert "error" not in got, got.get("error")
-        assert got["tokens"] == ref["tokens"], f"rank {r['rank']}: tokens differ from the single-process run"
-        for layer, entry in got["layers"].items():
-            h, off = len(entry["positions"]), entry["head_offset"]
-            assert entry["positions"] == ref["layers"][layer]["positions"][off : off + h]
+    assert _assert_ranks_match(ranks, refs[method], method) == set(refs[method]["layers"])

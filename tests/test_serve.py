@@ -166,7 +166,7 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
     "args, message",
     [
         (["--method", "snapvk"], "did you mean 'snapkv'"),
-        (["--kv-bits", "7"], "--kv-bits 7: kv_bits (keys) must be one of 2, 3, 4, 5, 6, 8"),
+        (["--kv-bits", "7"], "--kv-bits 7: kv_bits must be one of 2, 3, 4, 5, 6, 8"),
         (["--kv-bits", "4"], "kv_group_size 64 does not divide the model's key head dimension 8"),
         (["--quantized-kv-start", "0"], "--quantized-kv-start is mlx-lm's"),
         (["--method", "h2o", "--budget", "0"], "--budget"),
