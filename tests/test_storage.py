@@ -277,3 +277,29 @@ def test_a_merge_that_says_which_rows_it_wrote_stores_what_a_full_requantization
     for a, b in zip(fast, slow):
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert all(mx.array_equal(p, q) for p, q in zip(x.leaves(), y.leaves()))
+
+
+def test_mlx_lms_own_loader_reads_a_low_bit_cache_and_it_continues_exactly(tmp_path):
+    from mlx_lm.models import cache as mlx_cache
+
+    model = _model()
+    c = kvcompress.make_prompt_cache(model, "snapkv", budget=40, kv_bits=(8, 4))
+    _prefill(model, c)
+    path = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(path, c)
+    loaded = mlx_cache.load_prompt_cache(path)
+    assert isinstance(loaded[0].keys, QuantizedSlots) and (loaded[0].keys.bits, loaded[0].values.bits) == (8, 4)
+    for _ in range(3):
+        x = mx.array([[7]])
+        assert mx.array_equal(model(x, cache=c), model(x, cache=loaded))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_models_keep_scales_in_their_dtype(dtype):
+    model = tiny_llama(n_layers=2, hidden=256, heads=4, kv_heads=2, dtype=dtype)
+    c = kvcompress.make_prompt_cache(model, "h2o", budget=40, kv_bits=4)
+    logits = _prefill(model, c)
+    for _ in range(4):
+        logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
+    assert c[0].keys.dtype == dtype and c[0].keys.scales.dtype == dtype
+    assert bool(mx.all(mx.isfinite(logits.astype(mx.float32))))
