@@ -300,7 +300,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
             keys=k, values=v, scores=self._score, positions=pos, evict=slots, protected=protected,
             offset=off, offsets=offs, layer=self.info, counts=tuple(counts), draw_id=self._rounds, real=real,
             state=self._states["disposition"], group=self.group, owner=owner, heads_per_row=self._g,
-            written=self._written_slots(),
+            written=self._written_slots(), stored=self.keys_and_values() if self._store.quantized else None,
         )
         return ev
 

@@ -258,3 +258,7 @@ class Eviction:
     #: key rows [B, H, W, D] or None, value rows [B, H, W, D_v] or None)`` -- exactly what it wrote
     #: into the keys/values it returns (None: unchanged); a low-bit store then re-quantizes only these
     rewritten: Optional[tuple] = None
+    #: ``(keys, values)`` as the cache holds them, with low-bit storage only (else None):
+    #: :class:`kvcompress.storage.QuantizedSlots`, whose rows a disposition may gather
+    #: (``storage.take_slots``) and multiply (``storage.keys_product``) without dequantizing all
+    stored: Optional[tuple] = None

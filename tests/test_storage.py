@@ -264,14 +264,16 @@ def test_a_merge_that_says_which_rows_it_wrote_stores_what_a_full_requantization
         return c
 
     fast = run()
-    real = merge._write_rows
+    import kvcompress_cam.stored as stored
+
+    real = stored._write_rows
 
     def unreported(ev, rows):
         out = real(ev, rows)
         ev.rewritten = None  # the engine must find the changed vectors itself
         return out
 
-    monkeypatch.setattr(merge, "_write_rows", unreported)
+    monkeypatch.setattr(merge, "_write_rows", unreported)  # (merge.py calls it by its own name)
     slow = run()
     assert sum(int(mx.sum(c.component_state("disposition").merges)) for c in fast) > 0
     for a, b in zip(fast, slow):
@@ -303,3 +305,28 @@ def test_half_precision_models_keep_scales_in_their_dtype(dtype):
         logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
     assert c[0].keys.dtype == dtype and c[0].keys.scales.dtype == dtype
     assert bool(mx.all(mx.isfinite(logits.astype(mx.float32))))
+
+
+def test_cams_low_bit_decode_merge_reads_the_codes_as_the_dequantized_path_does(monkeypatch):
+    """CaM's decode merge on low-bit slots gathers its rows from the codes and takes the cosine's
+    dot products from the low-bit product: the same targets, merges and kept tokens as running the
+    float merge on the dequantized store, values to float rounding."""
+    import kvcompress_cam.merge as merge
+
+    def run():
+        model = _model()
+        c = kvcompress.make_prompt_cache(model, "cam", budget=40, kv_bits=4)
+        logits = _prefill(model, c)
+        for _ in range(8):
+            logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
+        return c, logits
+
+    fast, lf = run()
+    monkeypatch.setattr(merge, "is_low_bit", lambda ev: False)
+    slow, ls = run()
+    assert sum(int(mx.sum(c.component_state("disposition").merges)) for c in fast) > 0
+    for a, b in zip(fast, slow):
+        assert mx.array_equal(a.component_state("disposition").merges, b.component_state("disposition").merges)
+        assert mx.array_equal(a.head_view()[2], b.head_view()[2])
+        assert float(mx.abs(a.head_view()[1] - b.head_view()[1]).max()) < 1e-3
+    assert float(mx.abs(lf - ls).max()) < 1e-3

@@ -89,3 +89,9 @@ def gate_uniforms(seed: int, layer: int, heads, offset, positions) -> mx.array:
 def bernoulli_gate(p: mx.array, seed: int, layer: int, heads, offset, positions) -> mx.array:
     """``merge ~ Bernoulli(p)`` with :func:`gate_uniforms` draws."""
     return gate_uniforms(seed, layer, heads, offset, positions) < p
+
+
+def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
+    """Eq. 14: ``clamp(A_l / A_t, 0, 1)``; a non-positive target gives 1 iff ``A_l >= A_t``."""
+    ratio = loser_score / mx.where(target_score > 0, target_score, 1.0)
+    return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))

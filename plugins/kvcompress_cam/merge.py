@@ -53,15 +53,10 @@ from attrs.validators import ge, in_, instance_of
 
 from kvcompress import derived_field, ops, rows_field
 
-from .draws import _draw_keys, _draws, _host_draw_keys, _seed_base, _u32, bernoulli_gate, gate_uniforms
+from .draws import _draw_keys, _draws, _host_draw_keys, _seed_base, _u32, bernoulli_gate, gate_probability, gate_uniforms
+from .stored import _key_norms, _write_rows, blend_row, is_low_bit, stored_rows
 
 __all__ = ["GatedMerge", "MergeState", "gate_probability", "bernoulli_gate", "gate_uniforms"]
-
-
-def gate_probability(loser_score: mx.array, target_score: mx.array) -> mx.array:
-    """Eq. 14: ``clamp(A_l / A_t, 0, 1)``; a non-positive target gives 1 iff ``A_l >= A_t``."""
-    ratio = loser_score / mx.where(target_score > 0, target_score, 1.0)
-    return mx.where(target_score > 0, mx.clip(ratio, 0.0, 1.0), (loser_score >= target_score).astype(mx.float32))
 
 
 def _evicted_mask(evict: mx.array, t: int, real: Optional[mx.array] = None) -> mx.array:
@@ -191,6 +186,11 @@ class GatedMerge:
         real = ev.real if ev.real is not None else mx.array(True)
         owner = ev.owner if grouped else ev.positions  # (unused without head groups)
         norms = (prev, ev.written) if reuse else (ev.scores, ev.evict)  # (unused without reuse)
+        if not grouped and is_low_bit(ev):  # gathered from the codes: the store is never dequantized whole
+            choose = single_choice_fn(self.merge, self.merge_gate, self.n_sink)
+            target, vrow, krow, s_t, done, norms = stored_rows(ev, choose, self._draw_inputs(ev), prev, reuse,
+                                                               self.merge_keys)
+            return target, vrow, krow, s_t if self.transfer_mass else None, done, norms
         target, vrow, krow, s_t, done, norms = fn(ev.keys, ev.values, ev.scores, ev.positions, ev.evict, real,
                                                   ev.offset, self._draw_inputs(ev), owner, *norms)
         return (target, vrow, krow if self.merge_keys else None, s_t if self.transfer_mass else None, done,
@@ -255,11 +255,6 @@ _COMPILE = ops.COMPILE
 _FNS: dict = {}
 
 
-def _key_norms(keys) -> mx.array:
-    """``|k_j|`` ``[..., T]`` float32 of keys ``[..., T, D]``."""
-    return mx.sqrt(mx.square(keys.astype(mx.float32)).sum(-1))
-
-
 def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, norms=None):
     """``(target, cos, has_target, norms)`` (``norms``: every slot's key norm, given or computed)."""
     t = keys.shape[2]
@@ -271,11 +266,6 @@ def _nearest_target(keys, positions, evict, n_sink: int, real=None, owner=None, 
     invalid = positions < n_sink  # sinks, and empty slots (position -1)
     if evict.shape[-1] == 1:  # one loser: its position (unique in its head), an element-wise compare
         invalid = invalid | (positions == mx.take_along_axis(positions, evict, axis=-1))
-        if owner is None:  # decode: [B,H,T] throughout -- the fewest primitives, what a CPU step pays for
-            cos = mx.where(invalid, -mx.inf, dots.reshape(norms.shape) / (norms * norm_l + 1e-12))
-            target = mx.argmax(cos, axis=-1, keepdims=True).astype(mx.int32)
-            best = mx.max(cos, axis=-1, keepdims=True)
-            return target, best, best > -mx.inf, norms
     else:
         invalid = invalid | _evicted_mask(evict, t, real)  # only slots that really leave
     cos = dots / (norms[:, :, None, :] * norm_l[..., None] + 1e-12)
@@ -312,18 +302,6 @@ def _per_target_sum(target, x, t: int):
     return mx.take_along_axis(acc, target, axis=-1)
 
 
-def _write_rows(ev, rows):
-    """``(keys, values, scores, merges, norms)``: the rows of :meth:`GatedMerge._nearest_rows`
-    written into the stored arrays."""
-    target, vrow, krow, s_t, done, norms = rows
-    ev.rewritten = (target, krow, vrow)  # only these rows changed (a low-bit store re-stores just them)
-    idx = target[..., None]
-    values = mx.put_along_axis(ev.values, idx, vrow, axis=2)
-    keys = ev.keys if krow is None else mx.put_along_axis(ev.keys, idx, krow, axis=2)
-    scores = ev.scores if s_t is None else mx.put_along_axis(ev.scores, target, s_t, axis=-1)
-    return keys, values, scores, done, norms
-
-
 def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, transfer_mass: bool,
                       single: bool, grouped: bool = False, reuse: bool = False) -> Callable:
     """``f(keys, values, scores, positions, evict, real, offset, draw_keys, owner, prev_norms,
@@ -342,6 +320,15 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
         if reuse:
             fresh = _key_norms(mx.take_along_axis(keys, written[..., None], axis=2))
             norms = mx.put_along_axis(prev_norms, written, fresh, axis=-1)
+        if single and not grouped:  # one loser per row and head: the choice shared with low-bit slots
+            kl = mx.take_along_axis(keys, evict[..., None], axis=2)
+            dots = (keys @ kl.swapaxes(-1, -2)).swapaxes(-1, -2).astype(mx.float32)[:, :, 0]  # [B,H,T]
+            norms = _key_norms(keys) if norms is None else norms
+            target, w, s_new, count = choose(dots, norms, scores, positions, evict, real, off, draw_keys)
+            xl, xt = (mx.take_along_axis(values, i[..., None], axis=2) for i in (evict, target))
+            krow = blend_row(*(mx.take_along_axis(keys, i[..., None], axis=2) for i in (evict, target)), w) \
+                if merge_keys else target
+            return target, blend_row(xl, xt, w), krow, s_new, count, norms
         target, cos, has, norms = _nearest_target(keys, positions, evict, n_sink, real, owner if grouped else None,
                                                   norms)
         s_l = mx.take_along_axis(scores, evict, axis=-1)
@@ -382,6 +369,42 @@ def _nearest_merge_fn(merge: str, gate: bool, merge_keys: bool, n_sink: int, tra
         new_scores = _scatter_add(scores, target, moved) if transfer_mass else scores
         return new_keys, blend(values), new_scores, count, norms
 
+    choose = single_choice_fn(merge, gate, n_sink, False)
     fn = mx.compile(merge_fn) if (single and _COMPILE) else merge_fn
     _FNS[cfg] = fn
+    return fn
+
+
+def single_choice_fn(merge: str, gate: bool, n_sink: int, compiled: bool = True) -> Callable:
+    """``f(dots [B,H,T], norms [B,H,T], scores, positions, evict [B,H,1], real, off, draw_keys)
+    -> (target [B,H,1], w [B,H,1], target score + moved mass, merges [B,H])``: one loser per row
+    and head (decode), its nearest survivor by cosine (``dots``: the loser's key against every
+    stored key), the gate and the blend weight -- what float and low-bit slots both run."""
+    key = ("choice", merge, gate, n_sink, compiled and _COMPILE)
+    fn = _FNS.get(key)
+    if fn is not None:
+        return fn
+
+    def choose(dots, norms, scores, positions, evict, real, off, draw_keys):
+        norm_l = mx.take_along_axis(norms, evict, axis=-1)
+        invalid = (positions < n_sink) | (positions == mx.take_along_axis(positions, evict, axis=-1))
+        cos = mx.where(invalid, -mx.inf, dots / (norms * norm_l + 1e-12))
+        target = mx.argmax(cos, axis=-1, keepdims=True).astype(mx.int32)
+        best = mx.max(cos, axis=-1, keepdims=True)
+        s_l = mx.take_along_axis(scores, evict, axis=-1)
+        s_t = mx.take_along_axis(scores, target, axis=-1)
+        do = (best > -mx.inf) & real
+        if gate:
+            do = do & (_draws(draw_keys, mx.take_along_axis(positions, evict, axis=-1)) < gate_probability(s_l, s_t))
+        if merge == "sim_weighted":
+            do = do & (best > 0)  # w = 0: nothing would move, so it is not counted as a merge
+            w = best * _prominence_share(positions, evict, target, s_l, s_t, off, None)
+            do = do & (w > 0)
+        else:
+            w = mx.full(best.shape, 0.5)
+        w = mx.where(do, w, 0.0)
+        return target, w, s_t + mx.where(do, s_l, 0.0), do.astype(mx.int32).sum(axis=-1)
+
+    fn = mx.compile(choose) if (compiled and _COMPILE) else choose
+    _FNS[key] = fn
     return fn
