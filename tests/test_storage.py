@@ -250,21 +250,26 @@ def test_speculative_decoding_with_a_low_bit_main_cache(bits):
             assert [int(t) for t, _, _ in out] == greedy
 
 
+def _cam_decode(steps: int) -> tuple:
+    """A 4-bit cam cache after a prompt and ``steps`` greedy decode steps, and the last logits."""
+    model = _model()
+    c = kvcompress.make_prompt_cache(model, "cam", budget=40, kv_bits=4)
+    logits = _prefill(model, c)
+    for _ in range(steps):
+        logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
+    return c, logits
+
+
 def test_a_merge_that_says_which_rows_it_wrote_stores_what_a_full_requantization_stores(monkeypatch):
     """CaM's decode merge reports the rows it overwrote (``Eviction.rewritten``): re-storing only
     those gives the codes that quantizing the whole returned store again gives."""
     import kvcompress_cam.merge as merge
+    import kvcompress_cam.stored as stored
 
     def run():
-        model = _model()
-        c = kvcompress.make_prompt_cache(model, "cam", budget=40, kv_bits=4)
-        logits = _prefill(model, c)
-        for _ in range(6):
-            logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
-        return c
+        return _cam_decode(6)[0]
 
     fast = run()
-    import kvcompress_cam.stored as stored
 
     real = stored._write_rows
 
@@ -313,17 +318,9 @@ def test_cams_low_bit_decode_merge_reads_the_codes_as_the_dequantized_path_does(
     float merge on the dequantized store, values to float rounding."""
     import kvcompress_cam.merge as merge
 
-    def run():
-        model = _model()
-        c = kvcompress.make_prompt_cache(model, "cam", budget=40, kv_bits=4)
-        logits = _prefill(model, c)
-        for _ in range(8):
-            logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=c)
-        return c, logits
-
-    fast, lf = run()
+    fast, lf = _cam_decode(8)
     monkeypatch.setattr(merge, "is_low_bit", lambda ev: False)
-    slow, ls = run()
+    slow, ls = _cam_decode(8)
     assert sum(int(mx.sum(c.component_state("disposition").merges)) for c in fast) > 0
     for a, b in zip(fast, slow):
         assert mx.array_equal(a.component_state("disposition").merges, b.component_state("disposition").merges)
