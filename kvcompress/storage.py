@@ -23,7 +23,8 @@ import mlx.core as mx
 
 from .errors import ConfigError
 
-__all__ = ["KVStorage", "QuantizedSlots", "VALID_BITS", "VALID_GROUP_SIZES"]
+__all__ = ["KVStorage", "QuantizedSlots", "VALID_BITS", "VALID_GROUP_SIZES", "as_float", "keys_product", "put_slots",
+           "take_slots", "values_product"]
 
 VALID_BITS = (2, 3, 4, 5, 6, 8)
 VALID_GROUP_SIZES = (32, 64, 128)
@@ -259,11 +260,6 @@ def zeros_like_rows(like, b: int, h: int, t: int):
                               mx.zeros((b, h, t, d // like.group_size), sd),
                               mx.zeros((b, h, t, d // like.group_size), sd), like.bits, like.group_size, like.dtype)
     return mx.zeros((b, h, t, like.shape[-1]), like.dtype)
-
-
-def arrays(a) -> list:
-    """The arrays a store is made of (to evaluate or count)."""
-    return list(a.leaves()) if isinstance(a, QuantizedSlots) else [a]
 
 
 def to_state(a):
