@@ -83,7 +83,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
                 "observe_predictions(scores, obs) hook to receive them"
             )
         self._has_passes = self._hooks.scorer.pass_tokens is not None
-        self._wants_pass_weights = "pass_weights" in method.scorer.requires
         self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
         self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)
         self._tokens = self._step_tokens = self._undo_tokens = None

@@ -61,9 +61,8 @@ KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
 #: ``tokens``: the step's input token ids (:attr:`Observation.tokens`), handed over by the model
 #: hook that :func:`kvcompress.install` gives the model; ``predictions``: the model's next-token
 #: log-probabilities over each call (:class:`~kvcompress.Predictions`, see
-#: :meth:`ScorerHooks.observe_predictions`), handed over by the same hook after the call;
-#: ``pass_weights``: a scoring pass's attention probabilities (:attr:`Observation.weights`).
-CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens", "predictions", "pass_weights"})
+#: :meth:`ScorerHooks.observe_predictions`), handed over by the same hook after the call.
+CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens", "predictions"})
 
 
 # --------------------------------------------------------------------------------------------
