@@ -35,7 +35,7 @@ from .components import KINDS
 from .contexts import Eviction, LayerInfo, Selection
 from .errors import ConfigError, KVCompressError
 from .group import PromptGroup, new_group
-from .storage import concat_slots, put_slots, rewritten, take_slots, zeros_like_rows
+from .storage import concat_slots, fill_from_end, put_slots, rewritten, take_slots, zeros_like_rows
 
 __all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
 
@@ -357,14 +357,20 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         return mx.broadcast_to(pos, (b, h, S))
 
     def _compact(self) -> None:
-        """Move empty slots to the left and drop those every row has."""
+        """Move empty slots to the left and drop those every row has; with equal rows, only the
+        live slots above the count move into the holes below it (:func:`fill_from_end`)."""
         t, w, self._written = self._n, max(self._rows_n), None
-        ar = mx.arange(t, dtype=mx.int32)
-        order = mx.argsort(mx.where(self._pos >= 0, ar + t, ar), axis=-1)[..., t - w :]
-        k, v = self.keys_and_values()
-        self.keys, self.values = take_slots(k, order), take_slots(v, order)
-        self._pos = mx.take_along_axis(self._pos, order, axis=-1)
-        self._score = mx.take_along_axis(self._score, order, axis=-1)
+        if len(set(self._rows_n)) == 1 and 4 * (t - w) <= t:
+            dst, src = fill_from_end(self._pos, t - w)
+            self.keys, self.values = (put_slots(a, dst, take_slots(a, src)) for a in (self.keys, self.values))
+            self._pos, self._score = (
+                mx.put_along_axis(a, dst, mx.take_along_axis(a, src, axis=-1), axis=-1)[..., :w]
+                for a in (self._pos, self._score))
+        else:
+            ar = mx.arange(t, dtype=mx.int32)
+            order = mx.argsort(mx.where(self._pos >= 0, ar + t, ar), axis=-1)[..., t - w :]
+            self.keys, self.values = (take_slots(a, order) for a in self.keys_and_values())
+            self._pos, self._score = (mx.take_along_axis(a, order, axis=-1) for a in (self._pos, self._score))
         self._n = w
 
     def _append(self, keys, values, valid, tokens: int) -> None:

@@ -221,6 +221,19 @@ def take_slots(a, idx: mx.array):
     return mx.take_along_axis(a, idx, axis=2)
 
 
+def fill_from_end(pos: mx.array, k: int) -> tuple:
+    """``(dst, src)`` ``[B, H, k]``: the ``k`` lowest empty slots (``pos < 0``) and the ``k``
+    highest live ones, paired; moving ``src`` into ``dst`` leaves slots ``[0, T - k)`` live when
+    each (row, head) holds ``T - k``. A pair whose hole lies above its live slot (nothing to
+    move) copies the hole onto itself."""
+    t = pos.shape[-1]
+    ar = mx.arange(t, dtype=mx.int32)
+    live = pos >= 0
+    dst = mx.argsort(mx.where(live, ar + t, ar), axis=-1)[..., :k].astype(mx.int32)
+    src = mx.argsort(mx.where(live, t - ar, 2 * t), axis=-1)[..., :k].astype(mx.int32)
+    return dst, mx.where(dst < src, src, dst)
+
+
 def put_slots(a, idx: mx.array, new):
     """``a`` with ``new`` ``[B, H, J, D]`` written into slots ``idx`` ``[B, H, J]``."""
     idx = idx if idx.ndim == 4 else idx[..., None]

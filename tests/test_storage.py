@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kvcompress
 from kvcompress import ops
 from kvcompress.errors import CompositionError, ConfigError
-from kvcompress.storage import KVStorage, QuantizedSlots, as_float, concat_slots, put_slots, take_slots
+from kvcompress.storage import KVStorage, QuantizedSlots, as_float, concat_slots, fill_from_end, put_slots, take_slots
 from kvcompress.testing import check_method
 from conftest import tiny_llama
 from test_trim import _assert_same_cache
@@ -81,6 +81,26 @@ def test_layout_operations_commute_with_dequantize(idx, bits, seed):
     assert mx.array_equal(concat_slots([q, new]).dequantize(), mx.concatenate([x, new.dequantize()], axis=2))
     assert mx.array_equal(q[..., 3:9, :].dequantize(), x[..., 3:9, :])
     assert mx.array_equal(q[mx.array([1])].dequantize(), x[mx.array([1])])
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(1, 48), frac=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_fill_from_end_moves_only_the_live_slots_above_the_count_into_the_holes_below(t, frac, seed):
+    k = int(frac * t)
+    rng = np.random.default_rng(seed)
+    pos = np.stack([np.stack([rng.permutation(t) for _ in range(3)]) for _ in range(2)]).astype(np.int32)
+    for b in range(2):
+        for h in range(3):
+            pos[b, h, rng.choice(t, k, replace=False)] = -1  # each (row, head) keeps t - k tokens
+    dst, src = fill_from_end(mx.array(pos), k)
+    p = mx.array(pos)
+    moved = np.array(mx.put_along_axis(p, dst, mx.take_along_axis(p, src, axis=-1), axis=-1))
+    for b in range(2):
+        for h in range(3):
+            kept = pos[b, h][pos[b, h] >= 0]
+            assert sorted(moved[b, h, : t - k].tolist()) == sorted(kept.tolist())  # dense, nothing lost
+            stay = np.flatnonzero(pos[b, h, : t - k] >= 0)
+            assert (moved[b, h, stay] == pos[b, h, stay]).all()  # live slots below the count stay put
 
 
 @pytest.mark.parametrize("method", _methods())
