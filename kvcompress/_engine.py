@@ -70,10 +70,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires
-        # the step's input token ids, handed over by the model hook (mlxlm/attention.py) before
-        # the model runs; scoring passes (_scoring_pass.py) and their whole-model cost
-        # the model's next-token log-probabilities after each call (contexts.Predictions): they
-        # are indexed by the call's token ids, so such a scorer gets those too
+        # the model hook hands over each call's token ids (before) and next-token predictions
+        # (after, contexts.Predictions: indexed by the ids, so such a scorer gets both)
         self._wants_predictions = "predictions" in method.scorer.requires
         self._wants_tokens = "tokens" in method.scorer.requires or self._wants_predictions
         self._undo_predictions = None  # the last step's, while it can be trimmed
@@ -83,6 +81,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
                 "observe_predictions(scores, obs) hook to receive them"
             )
         self._has_passes = self._hooks.scorer.pass_tokens is not None
+        self._wants_pass_weights = "pass_weights" in method.scorer.requires
         self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
         self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)
         self._tokens = self._step_tokens = self._undo_tokens = None

@@ -54,7 +54,7 @@ class PassView:
         self._qpos = mx.where((ids >= 0)[:, None, :] & (qpos >= 0), qpos, -1)  # [B, 1, M]
         self._weight = (self._qpos >= 0).astype(mx.float32)
         self._t = 0 if cache.keys is None else cache._n
-        self._pos = self._keys = self._bias = None
+        self._pos = self._keys = self._bias = self._weights = self._out = None
         # what models read from a cache (pipeline models chain their last cache's keys to the
         # output with mx.depends): the view's own reference, so the real cache is never written
         self.keys = cache.keys
@@ -85,9 +85,11 @@ class PassView:
         self._keys = keys
         # a model's additive mask is part of its attention scores (MLA's RoPE part): keep it
         self._bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
-        out, _ = ops.attention(
+        out, self._weights = ops.attention(
             queries, keys, values, scale, self._pos, self._qpos, sinks=sinks, bias=self._bias,
+            mass="weights" if self.cache._wants_pass_weights else None,
         )
+        self._out = out
         return out
 
     def step_arrays(self) -> list:
@@ -104,7 +106,7 @@ class PassView:
             queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
             n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._seen()), layer=c.info,
             n_valid=(self._m,) * b, query_weight=self._weight, state=_state.snapshot(c._states["scorer"]),
-            tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group,
+            tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group, weights=self._weights,
         )
         new = c.method.scorer.observe(scores, obs)
         if new.shape[1] != h:  # attention over per-head projections of shared KV (MLA): the group's mean
@@ -114,6 +116,15 @@ class PassView:
             c._score = new if new.dtype == mx.float32 else new.astype(mx.float32)
         c._states["scorer"] = obs.state
         c._unreduced = c._reduce
+        if self._weights is not None:
+            # the probabilities [B, H, G, N, T] are consumed now, in this layer: a lazy pass would
+            # keep every layer's alive until the whole call is evaluated
+            mx.async_eval(c._score, self._out)
+            self._weights = self._out = None
+
+
+def _sharded() -> bool:
+    return mx.distributed.is_available() and mx.distributed.init().size() > 1
 
 
 def _engines(cache_list) -> list:
@@ -152,7 +163,9 @@ def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
         t0 = time.perf_counter()
         views = [PassView(c, ids) if isinstance(c, _Engine) else copy.deepcopy(c) for c in cache_list]
         out = call(mx.maximum(ids, 0), views)
-        mx.eval(out, [c._score for c in engines if c._score is not None],
+        # Only the layers' scores are needed: the final norm and the vocabulary projection stay
+        # unevaluated, unless the ranks of a sharded model must meet in the whole call's collectives.
+        mx.eval(out if _sharded() else [], [c._score for c in engines if c._score is not None],
                 [_state.flatten_state(c._states["scorer"])[1] for c in engines])
         dt = time.perf_counter() - t0
         per_row = (ids >= 0).sum(axis=1).tolist()

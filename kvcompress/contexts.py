@@ -143,6 +143,9 @@ class Observation:
         slots are kept.
     predictions: the model's log-probabilities over the call (:class:`Predictions`), only in
         the ``observe_predictions`` hook of scorers that require ``"predictions"``.
+    weights: in a scoring pass of a scorer that requires ``"pass_weights"``: the pass's float32
+        attention probabilities ``[B, H_kv, G, N, T]`` (query head ``h * G + g`` of KV head
+        ``h``; each query's softmax over the slots it saw), computed with the pass's attention.
     """
 
     queries: mx.array
@@ -170,6 +173,7 @@ class Observation:
     tokens: Optional[mx.array] = None
     scoring_pass: bool = False
     predictions: Optional[Predictions] = None
+    weights: Optional[mx.array] = None
     group: Any = attrs.field(default=None, repr=False)
     _cache: dict = attrs.field(factory=dict, repr=False, init=False)
 

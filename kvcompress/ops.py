@@ -159,7 +159,8 @@ def attention(
     ``last`` keeps only the last ``last`` queries; ``mass`` is ``None`` (no mass), ``"group"``
     (``[B, H_kv, T]``, mean over each GQA group), ``"heads"`` (``[B, H_kv, G, T]``) or ``"max"``
     (``[B, H_kv, T]``: ``max_{h in group, i} w_i softmax_j(q_{h,i} . k_j * scale)``, the largest
-    attention weight key ``j`` receives from any query of its group; zero-weight queries count 0).
+    attention weight key ``j`` receives from any query of its group; zero-weight queries count 0)
+    or ``"weights"`` (the probabilities themselves, ``[B, H_kv, G, N', T]``, unweighted).
     ``values=None`` computes the mass only. With head groups (:func:`owner_mask`), each row of
     ``keys`` holds the slots of ``heads_per_row`` KV heads and ``owner`` ``[B, H_kv, T]`` says
     whose each slot is: a query head sees only its own KV head's slots, and the ``"group"`` mass
@@ -173,8 +174,8 @@ def attention(
         return _one_query(queries, keys, values, scale)
     if quantized:  # low-bit slots (kvcompress.storage): codes read directly, or dequantized for a chunk
         keys, values = for_step(keys, queries.shape[2]), for_step(values, queries.shape[2])
-    if mass not in (None, "group", "heads", "max"):
-        raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
+    if mass not in (None, "group", "heads", "max", "weights"):
+        raise ValueError(f"mass must be None, 'group', 'heads', 'max' or 'weights', got {mass!r}")
     b, _, n, d = queries.shape
     h_kv, t = keys.shape[1], keys.shape[2]
     g = _split_groups(queries, h_kv)
@@ -227,7 +228,9 @@ def attention(
                 out = out + e.output(w[..., x : x + p.shape[-1]])
                 x += p.shape[-1]
             outs.append(out)
-        if mass is not None:
+        if mass == "weights":
+            total = ws if total is None else mx.concatenate([total, ws], axis=-2)
+        elif mass is not None:
             wm = ws if query_weight is None else ws * query_weight[:, :, None, i0:i1, None].astype(mx.float32)
             if mass == "max":
                 s = wm.max(axis=-2)
@@ -241,15 +244,13 @@ def attention(
         out = out.reshape(b, h_kv * g, n - start, -1).astype(queries.dtype)
     if mass is not None:
         if total is None:
-            total = mx.zeros((b, h_kv, g, t), mx.float32)
+            total = mx.zeros((b, h_kv, g, 0, t) if mass == "weights" else (b, h_kv, g, t), mx.float32)
         if mass == "group":
             total = total.mean(axis=2) if g > 1 else total[:, :, 0]
             if owner is not None and heads_per_row > 1:  # each slot was seen by its own heads only
                 total = total * heads_per_row
         elif mass == "max":
             total = total.max(axis=2)
-        elif mass != "heads":
-            raise ValueError(f"mass must be None, 'group', 'heads' or 'max', got {mass!r}")
     return out, total
 
 

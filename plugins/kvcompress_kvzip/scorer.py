@@ -13,7 +13,12 @@ against the stored slots, nothing stored or evicted. Each stored slot ``j`` of t
     s_j = max_{h in group(j's KV head)} max_{i in pass} softmax_{j' in K_c}(q_{h,i} . k_{j'} * scale)_j
 
 where the softmax runs only over ``K_c`` = the first ``n_sink`` positions, the piece's own slots
-and the pass's own tokens (causal), so pieces score independently of the cache's length.
+and the pass's own tokens (causal), so pieces score independently of the cache's length. The
+pass's own attention (over every slot) already holds ``p_{ij} = softmax_j(q_i . k_j * scale)``;
+the restricted softmax is its renormalisation, ``p_{ij} / sum_{j' in K_c} p_{ij'}``, so the score
+is read from those probabilities (``pass_weights``) instead of a second attention product (a
+restricted set below float32's range of the row's maximum, ~87 nats, would score 0; the
+direct :func:`pass_score` serves models whose attention bypasses the cache).
 
 When pieces are reconstructed (each step's token ids wait in the scorer state, as provisional
 score 1, so they are never evicted unscored):
@@ -110,6 +115,17 @@ def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink,
     )[1]
 
 
+def _renormalised_max(weights, positions, in_piece, n_sink, first_pass, query_weight=None):
+    """:func:`pass_score` from the pass's attention probabilities ``[B, H_kv, G, N, T]``: each
+    query's weights renormalised over ``K_c`` (sinks, piece, pass tokens), the largest per slot."""
+    k_c = (positions >= 0) & ((positions < n_sink) | in_piece | (positions >= first_pass))
+    total = mx.where(k_c[:, :, None, None, :], weights, 0.0).sum(axis=-1, keepdims=True)
+    w = mx.where(in_piece[:, :, None, None, :], weights, 0.0) / mx.maximum(total, 1e-38)
+    if query_weight is not None:
+        w = w * query_weight[:, :, None, :, None].astype(mx.float32)
+    return w.max(axis=(2, 3))
+
+
 @attrs.frozen
 class KVzipScorer:
     """KVzip reconstruction score; see the module docstring for the math.
@@ -126,7 +142,7 @@ class KVzipScorer:
     prompt: tuple = attrs.field(default=(), converter=_ids_tuple, validator=_nonneg_ids)
     n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
 
-    requires: ClassVar[frozenset] = frozenset({"queries", "positions", "tokens"})
+    requires: ClassVar[frozenset] = frozenset({"queries", "positions", "tokens", "pass_weights"})
     provides: ClassVar[frozenset] = frozenset({"reconstruction"})
 
     def init_state(self, layer) -> KVzipState:
@@ -219,10 +235,13 @@ class KVzipScorer:
         lo = mx.where(piece_pos >= 0, piece_pos, big).min(axis=-1).reshape(-1, 1, 1)
         hi = piece_pos.max(axis=-1).reshape(-1, 1, 1)
         first_pass = mx.array(obs.offsets, dtype=mx.int32).reshape(-1, 1, 1)  # the pass starts there
-        mass = pass_score(obs.queries, obs.keys, obs.positions, obs.query_positions, obs.scale,
-                          lo, hi, self.n_sink, first_pass, obs.query_weight, obs.bias)
         p = obs.positions
         in_piece = (p >= lo) & (p <= hi) & (p < first_pass)
+        if obs.weights is not None:
+            mass = _renormalised_max(obs.weights, p, in_piece, self.n_sink, first_pass, obs.query_weight)
+        else:
+            mass = pass_score(obs.queries, obs.keys, obs.positions, obs.query_positions, obs.scale,
+                              lo, hi, self.n_sink, first_pass, obs.query_weight, obs.bias)
         scores = mx.where(in_piece, mass, scores)
         piece = mx.where(piece_pos >= 0, st.ids[:, :n], -1)
         ids_r, pos_r = _left_align(mx.concatenate([st.prev, piece], axis=1),
