@@ -31,9 +31,10 @@ from mlx_lm.models.cache import _BaseCache
 from ._engine_attend import UNDO_TOKENS, _AttendMixin
 from ._engine_plan import _PlanMixin
 from ._engine_state import _STATE_VERSION, _StateMixin
+from ._engine_view import _ViewMixin
 from .components import KINDS
 from .contexts import Eviction, LayerInfo, Selection
-from .errors import ConfigError, KVCompressError
+from .errors import ConfigError
 from .group import PromptGroup, new_group
 from .storage import concat_slots, fill_from_end, put_slots, rewritten, take_slots, zeros_like_rows
 
@@ -54,7 +55,7 @@ def _ensure_wrapped() -> None:
         fn()
 
 
-class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _BaseCache):
+class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
     step = 256
 
     def __init__(self, method, budget, layer=0, group: Optional[PromptGroup] = None, info: Optional[LayerInfo] = None):

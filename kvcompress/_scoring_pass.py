@@ -190,8 +190,7 @@ def before_call(call: Callable[[mx.array, list], Any], cache_list, inputs) -> No
         tok = (inputs[None] if inputs.ndim == 1 else inputs).astype(mx.int32)
     for c in engines:
         c._hooked = c._has_passes or c._wants_tokens
-        if c._wants_tokens:
-            c._tokens = tok
+        c.hand_tokens(tok)
 
 
 def after_call(cache_list, logits) -> None:

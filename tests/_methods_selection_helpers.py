@@ -46,10 +46,10 @@ class Driver:
     def pos(self) -> np.ndarray:
         if self.cache.empty():
             return np.zeros((self.b, self.hkv, 0), np.int32)
-        return np.array(self.cache._pos)
+        return np.array(self.cache.slot_positions)
 
     @property
     def scores(self) -> np.ndarray:
         if self.cache.empty():
             return np.zeros((self.b, self.hkv, 0), np.float32)
-        return np.array(self.cache._score)
+        return np.array(self.cache.slot_scores)

@@ -111,6 +111,13 @@ def make_caches(model, method: str, want: int, **params) -> list:
     raise AssertionError(f"no budget in [{want}, {b}] accepted by {method}")
 
 
+def slot_tags(c) -> mx.array:
+    """Each stored slot's token position with its head in the row above bit 24 (head groups),
+    -1 empty: two caches with equal tags hold the same tokens in the same heads and slots."""
+    pos, own = c.slot_positions, c.slot_owners
+    return pos if own is None else mx.where(pos >= 0, pos + own * (1 << 24), -1)
+
+
 def assert_step_accounting(c, n_before: int, evicted_before: int, S: int) -> None:
     """One ``update_and_fetch`` of ``S`` tokens: if ``n_before + S`` exceeds the budget, at least
     ``n_before - (budget - 1)`` old slots left (exactly that many with the ``lowest`` selector;

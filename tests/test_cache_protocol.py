@@ -28,6 +28,7 @@ import kvcompress
 from conftest import assert_step_accounting, make_caches, tiny_llama
 from kvcompress import CompressedKVCache
 from kvcompress._state import derived_arrays, flatten_state
+from kvcompress.components import KINDS
 
 METHODS = sorted(kvcompress.get_registry().methods)
 
@@ -75,9 +76,13 @@ def _walk_arrays(obj, depth: int = 2) -> list:
     return out
 
 
+def _states(c) -> list:
+    return [c.component_state(kind) for kind in KINDS]
+
+
 def component_state_arrays(c) -> list:
     """The arrays of every component state the cache holds (what ``cache.state`` carries)."""
-    return [a for st in c._states.values() for a in flatten_state(st)[1]]
+    return [a for st in _states(c) for a in flatten_state(st)[1]]
 
 
 # Host-side bookkeeping arrays of O(B * H) entries the cache keeps between steps (the slot the
@@ -92,10 +97,10 @@ def assert_nbytes_honest(c) -> None:
     hold is among the counted bytes."""
     own = sum(a.nbytes for k, a in vars(c).items()
               if isinstance(a, mx.array) and a.ndim > 0 and k not in _BOOKKEEPING)
-    held = component_state_arrays(c) + [a for st in c._states.values() for a in derived_arrays(st)]
+    held = component_state_arrays(c) + [a for st in _states(c) for a in derived_arrays(st)]
     declared = sum(a.nbytes for a in held)  # saved state, and what components derived (not saved)
     assert c.nbytes == own + declared
-    assert sum(a.nbytes for st in c._states.values() for a in _walk_arrays(st)) <= declared
+    assert sum(a.nbytes for st in _states(c) for a in _walk_arrays(st)) <= declared
 
 
 def stored_arrays(c) -> tuple:
@@ -163,7 +168,7 @@ def test_state_valid_after_every_generate_step_chunk(method, step):
             k, v, pos, score = stored_arrays(c)
             assert k.shape[2] == v.shape[2] == pos.shape[-1] == score.shape[-1] == c.size() * g
             assert pos.dtype == mx.int32 and score.dtype == mx.float32
-            pos = c._positions()  # without the head-group owner bits
+            pos = c.slot_positions  # without the head-group owner bits
             assert (np.array(pos) < c.offset).all()
             assert ((np.array(pos) >= 0).sum(-1) == c.tokens_kept * g).all()  # held slots, per row
             assert np.isfinite(np.array(score)).all()
@@ -209,7 +214,7 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
         if exact:
             # steady state: decode reuses the freed slot, buffers hold exactly the budget
             for c in cache:
-                assert c.keys.shape[2] == c.values.shape[2] == c._pos.shape[-1] == c.budget
+                assert c.keys.shape[2] == c.values.shape[2] == c.slot_positions.shape[-1] == c.budget
             now = [c.nbytes for c in cache]
             steady = steady or now
             assert now == steady
@@ -218,7 +223,7 @@ def test_nbytes_is_held_arrays_and_bounded_at_budget(method):
         k, v = c.keys_and_values()
         per_slot = (k.nbytes + v.nbytes) // c.budget + 2 * 4 * k.shape[0] * k.shape[1]  # + pos + score
         extra = sum(a.nbytes for a in component_state_arrays(c))
-        extra += sum(a.nbytes for st in c._states.values() for a in derived_arrays(st))
+        extra += sum(a.nbytes for st in _states(c) for a in derived_arrays(st))
         assert steady[0] == per_slot * c.budget + extra
 
 
@@ -334,7 +339,7 @@ def test_decode_holds_budget_keeps_sinks_unique_positions(method):
             assert c.size() <= c.budget
             n_sink = min(getattr(c.method.selector, "n_sink", 0), c.offset)
             pos = positions(c)
-            g = max(c._g, 1)
+            g = c.heads_per_row
             assert pos.shape[:2] == (2, c.keys.shape[1] * g) and (g > 1 or pos.shape[-1] == c.size())
             empty = np.iinfo(np.int32).max // 2 + np.arange(pos.shape[-1])  # distinct, after every position
             srt = np.sort(np.where(pos >= 0, pos, empty), axis=-1)

@@ -84,7 +84,7 @@ def test_all_modes_prefill_then_decode(models, mode, arch, batch):
         assert c.diagnostics["compression_tokens"] == pytest.approx(52 / budget)
         disp = c.method.disposition
         assert disp.merge == mode["merge"] and disp.merge_gate == mode.get("merge_gate", True)
-        counted = c._states["disposition"].merges
+        counted = c.component_state("disposition").merges
         if mode["merge"] == "drop":
             assert merges(c) == 0 and counted is None  # nothing is ever merged
         else:
@@ -208,7 +208,7 @@ def test_real_model_drop_equals_h2o_and_sim_weighted_merges(stories_model, stori
     for c in cam:
         assert c.score_source == "queries" and c.method.disposition.merge == "sim_weighted"
         assert c.method.disposition.merge_gate
-        counted = np.array(c._states["disposition"].merges)  # [1, KV heads]
+        counted = np.array(c.component_state("disposition").merges)  # [1, KV heads]
         assert counted.shape == (1, h_kv) and 0 < counted.sum() <= c.evictions * h_kv
         assert c.diagnostics["merges"] == pytest.approx(counted.mean())
     # Merging changed the kept values relative to dropping, but not the kept positions' count.

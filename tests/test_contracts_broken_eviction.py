@@ -254,6 +254,6 @@ def test_catches_a_cache_whose_batch_rows_diverge(monkeypatch):
     """Batched generation is compared with each row's solo run, not assumed."""
     from kvcompress import BatchCompressedKVCache
 
-    monkeypatch.setattr(BatchCompressedKVCache, "_seen", lambda self: self._rows_off)  # counts right padding
+    monkeypatch.setattr(BatchCompressedKVCache, "_seen", lambda self: self.rows_offset)  # counts right padding
     with pytest.raises(ContractFailure, match="contract 'batched' broken: row 1"):
         check_method("streaming_llm_shift")

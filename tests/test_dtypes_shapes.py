@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvcompress
-from conftest import make_caches, tiny_llama
+from conftest import make_caches, slot_tags, tiny_llama
 
 METHODS = sorted(kvcompress.get_registry().methods)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -58,9 +58,9 @@ def _assert_finite_through_eviction(method, dtype, gqa):
         k, v = c.head_view()[:2]  # per KV head (head-wise budgets: each head's slots gathered)
         assert k.dtype == v.dtype == DTYPES[dtype]
         assert k.shape[:2] == (2, kv_heads) and c.size() <= c.budget
-        assert k.shape[2] == c.size() if c._g <= 1 else k.shape[2] <= c._g * c.budget
+        assert k.shape[2] == c.size() if c.heads_per_row <= 1 else k.shape[2] <= c.heads_per_row * c.budget
         assert k.shape[3] == 64 // HEADS
-        assert c._score.dtype == mx.float32 and np.isfinite(np.array(c._score)).all()
+        assert c.slot_scores.dtype == mx.float32 and np.isfinite(np.array(c.slot_scores)).all()
         assert np.isfinite(np.array(v.astype(mx.float32))).all()
         assert c.offset == n_prompt + n_decode and c.evictions > 0
 
@@ -101,11 +101,11 @@ def test_batch_rows_are_independent(method, params, gqa):
         for a, b in zip(batched, single):
             np.testing.assert_allclose(a[row], b[0], atol=1e-4, rtol=0)
         for cb, ca in zip(both, alone):
-            assert np.array_equal(np.sort(np.array(cb._pos[row]), -1), np.sort(np.array(ca._pos[0]), -1))
+            assert np.array_equal(np.sort(np.array(slot_tags(cb)[row]), -1), np.sort(np.array(slot_tags(ca)[0]), -1))
     if method == "cam":  # the merges (and, with the gate, its draws) were exercised
-        counted = np.array(both[0]._states["disposition"].merges)
+        counted = np.array(both[0].component_state("disposition").merges)
         assert counted.shape == (2, both[0].keys.shape[1]) and counted.sum() > 0
     # the two rows saw different tokens, so somewhere they kept different positions
     assert any(
-        not np.array_equal(np.sort(np.array(c._pos[0]), -1), np.sort(np.array(c._pos[1]), -1)) for c in both
+        not np.array_equal(np.sort(np.array(slot_tags(c)[0]), -1), np.sort(np.array(slot_tags(c)[1]), -1)) for c in both
     )

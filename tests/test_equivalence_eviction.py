@@ -216,8 +216,8 @@ def test_chunk_after_eviction_matches_explicit_mask(method, n_new, explicit_mask
         assert_step_accounting(c, n_before, ev_before, n_new)
         k, v = c.keys_and_values()
         # new tokens sit after every stored one, so bottom-right "causal" is the explicit mask
-        assert (np.array(c._pos[..., -n_new:]) == np.arange(off, off + n_new)).all()
-        assert (np.array(c._pos[..., :-n_new]) < off).all()
+        assert (np.array(c.slot_positions[..., -n_new:]) == np.arange(off, off + n_new)).all()
+        assert (np.array(c.slot_positions[..., :-n_new]) < off).all()
         pinned.append((k[:, :, :-n_new], v[:, :, :-n_new]))
 
     ref = model(chunk, cache=[PinnedCache(k, v, off) for k, v in pinned])

@@ -221,19 +221,19 @@ def test_bind_reads_each_layers_rope_and_cache_scores_match_reference():
                                          query_window=8, n_future_positions=6)
     rope = model.layers[0].self_attn.rope
     for c in cache:
-        st = c._states["scorer"]
+        st = c.component_state("scorer")
         assert isinstance(st, QueryWindow) and st.rope is not None and st.rotary
         assert st.rope.base == pytest.approx(float(rope.base)) and st.rope.traditional == bool(rope.traditional)
     prompt = mx.array(np.random.default_rng(0).integers(0, 97, 40))
     model(prompt[None], cache=cache)
     for c in cache:
-        st = c._states["scorer"]
+        st = c.component_state("scorer")
         k, v = c.keys_and_values()
         d = k.shape[-1]
-        want = reference(_np(st.queries), np.array(st.positions), _np(k), _np(v), np.array(c._pos), [40],
+        want = reference(_np(st.queries), np.array(st.positions), _np(k), _np(v), np.array(c.slot_positions), [40],
                          d**-0.5, n_sink=2, n_future=6, cov=True, vnorm=True, traditional=bool(rope.traditional))
-        assert np.allclose(np.array(c._score), want, rtol=2e-3, atol=1e-6)
-    assert np.array(cache[0]._states["scorer"].positions)[0, 0].tolist() == list(range(32, 40))
+        assert np.allclose(np.array(c.slot_scores), want, rtol=2e-3, atol=1e-6)
+    assert np.array(cache[0].component_state("scorer").positions)[0, 0].tolist() == list(range(32, 40))
 
 
 def test_mla_layers_are_scored_unrotated_without_value_norm():
@@ -248,12 +248,12 @@ def test_mla_layers_are_scored_unrotated_without_value_norm():
     model = deepseek_v3.Model(a)
     cache = kvcompress.make_prompt_cache(model, "expected_attention", budget=24, recent=4, n_sink=2)
     for c in cache:
-        st = c._states["scorer"]
+        st = c.component_state("scorer")
         assert st.latent and not st.rotary and st.rope is None
     model(mx.array([list(range(30))]), cache=cache)
     model(mx.array([[3]]), cache=cache)
     for c in cache:
-        s = np.array(c._score)
+        s = np.array(c.slot_scores)
         assert np.isfinite(s).all() and (s >= 0).all()
 
 

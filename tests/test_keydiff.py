@@ -82,11 +82,11 @@ def test_cache_keeps_the_most_distinctive_keys():
     cache = kvcompress.make_prompt_cache(model, "keydiff", budget=budget, n_sink=n_sink, recent=recent)
     prompt = mx.array(np.random.default_rng(0).integers(0, 97, 48))
     model(prompt[None], cache=cache)
-    before = [(np.array(c.keys_and_values()[0]), np.array(c._pos)) for c in cache]
+    before = [(np.array(c.keys_and_values()[0]), np.array(c.slot_positions)) for c in cache]
     model(mx.array([[5]]), cache=cache)  # the deferred eviction happens at the next update
     for c, (keys, pos) in zip(cache, before):
         s = reference(keys.astype(np.float64), pos)
-        kept = np.array(c._pos)
+        kept = np.array(c.slot_positions)
         for h in range(keys.shape[1]):
             free = (pos[0, h] >= n_sink) & (pos[0, h] < 48 - recent)
             order = np.argsort(-s[0, h][free], kind="stable")

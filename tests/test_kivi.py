@@ -52,7 +52,7 @@ def _feed(cache, keys, values, chunk, h_q=None):
 
 
 def _state(cache) -> KiviState:
-    return cache._states["disposition"]
+    return cache.component_state("disposition")
 
 
 def _kivi_cache(budget=64, bits=2, **kw):
@@ -129,7 +129,7 @@ def test_memory_accounting_and_two_bit_store_under_point_three_of_fp16_full_cach
     state = _state(cache)
     state_bytes = sum(a.nbytes for a in flatten_state(state)[1])
     assert state_bytes == sum(a.nbytes for a in state.arrays())
-    stored = sum(a.nbytes for a in (cache.keys, cache.values, cache._pos, cache._score))
+    stored = sum(a.nbytes for a in (cache.keys, cache.values, cache.slot_positions, cache.slot_scores))
     assert state_bytes > 0 and cache.nbytes == stored + state_bytes  # the store is counted
     # the packed part itself: codes + fp16 scales/zeros = 0.1875 x fp16 K/V per token
     nq = state.n_quant[0]
@@ -291,7 +291,7 @@ def test_generate_with_prefill_chunks_and_decode(model32, method):
         assert s.n_quant[0] + s.n_buf[0] + c.size() == c.offset >= 300 + 11
         assert c.score_source == "queries"
     if method == "h2o_kivi":  # sinks stay in full precision
-        pos = np.array(cache[0]._pos)
+        pos = np.array(cache[0].slot_positions)
         assert all(set(range(4)) <= set(pos[0, h].tolist()) for h in range(pos.shape[1]))
 
 
@@ -349,7 +349,7 @@ def test_every_token_is_stored_buffered_or_packed(budget, chunks, bits):
         assert nq + nb + cache.size() == cache.offset == seen
         assert nq % GROUP == 0 and nb < GROUP
         assert cache.size() <= max(budget - 1 + n, n)
-        pos = np.sort(np.array(cache._pos[0, 0]))
+        pos = np.sort(np.array(cache.slot_positions[0, 0]))
         assert pos.tolist() == list(range(seen - cache.size(), seen))  # the residual is the newest
 
 

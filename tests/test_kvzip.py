@@ -240,16 +240,16 @@ def _prefilled(model, method="kvzip", n=40, budget=16, **kw):
 def test_a_pass_leaves_real_arrays_bit_identical():
     model = tiny_llama()
     cache, _ = _prefilled(model)
-    before = [(np.array(c.keys), np.array(c.values), np.array(c._pos), c._n, list(c._rows_off), np.array(c._score))
+    before = [(np.array(c.keys), np.array(c.values), np.array(c.slot_positions), c.keys_and_values()[0].shape[2], list(c.rows_offset), np.array(c.slot_scores))
               for c in cache]
     base = kvcompress.mlxlm.attention.base_class(model)
     n = _scoring_pass.run_passes(lambda ids, views: base.__call__(model, ids, cache=views), cache)
     assert n == 1  # 40 waiting ids, chunk 128
     for c, (k, v, pos, t, off, score) in zip(cache, before):
         assert np.array_equal(np.array(c.keys), k) and np.array_equal(np.array(c.values), v)
-        assert np.array_equal(np.array(c._pos), pos) and c._n == t and c._rows_off == off
-        assert not np.array_equal(np.array(c._score), score)  # the piece was scored
-        assert np.all(np.array(c._score) < 1.0)
+        assert np.array_equal(np.array(c.slot_positions), pos) and c.keys_and_values()[0].shape[2] == t and c.rows_offset == off
+        assert not np.array_equal(np.array(c.slot_scores), score)  # the piece was scored
+        assert np.all(np.array(c.slot_scores) < 1.0)
         assert c.diagnostics["kvzip_waiting"] == 0
 
 
@@ -334,7 +334,7 @@ def test_toy_scorer_gets_exactly_the_pass_tokens_it_asked_for_in_every_layer():
     assert sorted(r[0] for r in RECORD) == [0, 0, 1, 1, 2, 2]
     assert all(r[1] == [[7, 8, 9]] and r[2] == 3 and r[3] == 5 + 3 for r in RECORD)
     assert cache[0].diagnostics["scoring_pass_tokens"] == 6
-    assert np.all(np.array(cache[0]._score)[..., :5] >= 2.0)  # the stored slots' scores came back
+    assert np.all(np.array(cache[0].slot_scores)[..., :5] >= 2.0)  # the stored slots' scores came back
 
 
 def test_cache_stepped_without_tokens_is_refused_unchanged(tmp_path):
@@ -362,7 +362,7 @@ def test_trimmed_step_never_reaches_a_pass():
     model(mx.array([[11, 12, 13]]), cache=cache)
     for c in cache:
         c.trim(2)
-    st = cache[0]._states["scorer"]
+    st = cache[0].component_state("scorer")
     assert st.waiting == (1,)  # the prompt's ids were reconstructed before the call; 12, 13 are gone
     assert np.array(st.ids)[0, 0] == 11 and np.array(st.pos)[0, 0] == 20 and (np.array(st.pos)[0, 1:] == -1).all()
 

@@ -97,7 +97,7 @@ def test_batch_rows_match_single_row_runs(method):
     both, cache = feed(batch)
     assert all(c.evictions > 0 for c in cache)
     if cache[0].method.config.disposition.name == "gated_merge":  # the gated merges happened
-        assert sum(int(mx.sum(c._states["disposition"].merges)) for c in cache) > 0
+        assert sum(int(mx.sum(c.component_state("disposition").merges)) for c in cache) > 0
     for row in range(2):
         alone, _ = feed(batch[row : row + 1])
         assert np.abs(np.array(both[row]) - np.array(alone[0])).max() < 1e-4
@@ -117,7 +117,7 @@ def test_per_layer_budgets_keep_masks_exact(method, monkeypatch):
 
     def spy(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         out = attend(self, sdpa, queries, keys, values, scale, mask, sinks)
-        seen.append((self.offset, np.array(self._pos), queries, keys, values, scale, mask, out))
+        seen.append((self.offset, np.array(self.slot_positions), queries, keys, values, scale, mask, out))
         return out
 
     monkeypatch.setattr(CompressedKVCache, "attend", spy)

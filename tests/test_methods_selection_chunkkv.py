@@ -106,7 +106,7 @@ def test_chunkkv_layer_reuse_shares_evictions_within_groups():
             model(tokens[:, i : i + 16], cache=cache)
         for i in range(80, 90):
             model(tokens[:, i : i + 1], cache=cache)
-        return [np.array(c._pos) for c in cache]
+        return [np.array(c.slot_positions) for c in cache]
 
     shared = run(2)
     assert np.array_equal(shared[0], shared[1]) and np.array_equal(shared[2], shared[3])
@@ -133,5 +133,5 @@ def test_chunkkv_reuse_falls_back_when_layer_budgets_differ():
         model(tokens[:, i : i + 12], cache=cache)
     for c in cache:
         assert c.evictions > 0 and c.size() <= c.budget - 1 + 12
-        counts = np.bincount(np.array(c._pos)[0, 0] // 3)
+        counts = np.bincount(np.array(c.slot_positions)[0, 0] // 3)
         assert ((counts[:-2] == 0) | (counts[:-2] == 3)).all()

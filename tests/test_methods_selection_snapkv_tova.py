@@ -160,16 +160,16 @@ def test_snapkv_row_events_follow_the_row_not_the_batch():
         solo = CompressedKVCache(m, 64)
         solo.update_and_fetch(k1[r : r + 1], v1[r : r + 1])
         solo.observe(q1[r : r + 1], SCALE)
-        before = np.array(solo._score)
+        before = np.array(solo.slot_scores)
         solo.update_and_fetch(k2[r : r + 1, :, :n], v2[r : r + 1, :, :n])
         solo.observe(q2[r : r + 1, :, :n], SCALE)
         if n == 1:  # a decode step leaves the chunk's scores, the new token enters at 0
-            np.testing.assert_array_equal(np.array(solo._score)[..., :12], before)
-        pos, score = np.array(batch._pos[r]), np.array(batch._score[r])
+            np.testing.assert_array_equal(np.array(solo.slot_scores)[..., :12], before)
+        pos, score = np.array(batch.slot_positions[r]), np.array(batch.slot_scores[r])
         for h in range(2):
             got = dict(zip(pos[h].tolist(), score[h].tolist()))
             got.pop(-1, None)
-            want = dict(zip(np.array(solo._pos[0, h]).tolist(), np.array(solo._score[0, h]).tolist()))
+            want = dict(zip(np.array(solo.slot_positions[0, h]).tolist(), np.array(solo.slot_scores[0, h]).tolist()))
             assert sorted(got) == sorted(want)
             np.testing.assert_allclose([got[p] for p in sorted(want)], [want[p] for p in sorted(want)],
                                        rtol=1e-5, atol=1e-6)

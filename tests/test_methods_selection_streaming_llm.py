@@ -127,7 +127,7 @@ def test_streaming_llm_shift_decode_equals_reference_streaming_llm():
     ref = []
     for c in cache:
         k, v = c.keys_and_values()
-        pos = np.array(c._pos)[0, 0]
+        pos = np.array(c.slot_positions)[0, 0]
         order = np.argsort(pos)
         keep = order[[*range(n_sink), *range(n_sink + 1, len(order))]]  # the oldest non-sink leaves
         kk = k[:, :, mx.array(keep)]

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcompress
-from conftest import tiny_llama
+from conftest import slot_tags, tiny_llama
 from kvcompress import ConfigError
 
 # The storage-level invariants below read one slot per token per KV head; head-wise budgets
@@ -105,12 +105,12 @@ def drive(scn: dict, check: bool = True):
         n_before, ev_before = c.size(), c.evictions
         if check and c.size():
             seen = mx.full((scn["batch"], 1, 1), c.offset, mx.int32)  # [B, 1, 1], as the cache passes it
-            prot = np.array(c.method.selector.protected(c._pos, seen, c.budget))
-            pos_before = np.array(c._pos)
+            prot = np.array(c.method.selector.protected(c.slot_positions, seen, c.budget))
+            pos_before = np.array(c.slot_positions)
         assert c.make_mask(S) == (None if S == 1 else "causal")
         arr = c.make_mask(S, return_array=True) if S > 1 else None
-        if c._wants_tokens:  # what the model hook hands a token-scoring cache (kvzip) before a step
-            c._tokens = mx.broadcast_to((mx.arange(off, off + S, dtype=mx.int32) % 97)[None], (scn["batch"], S))
+        # what the model hook hands a token-scoring cache (kvzip) before a step
+        c.hand_tokens(mx.broadcast_to((mx.arange(off, off + S, dtype=mx.int32) % 97)[None], (scn["batch"], S)))
         k_out, v_out = c.update_and_fetch(mx.array(keys[:, :, off : off + S]), mx.array(values[:, :, off : off + S]))
         c.observe(mx.array(queries[:, :, off : off + S]), D**-0.5)
         off += S
@@ -131,7 +131,7 @@ def drive(scn: dict, check: bool = True):
                 assert t == min(off, c.budget)
         if arr is not None:
             assert arr.shape == (S, t), f"make_mask predicted {arr.shape[1]} keys, step attended {t}"
-        pos = np.array(c._pos)
+        pos = np.array(c.slot_positions)
         assert pos.shape == (scn["batch"], H_KV, t)
         srt = np.sort(pos, axis=-1)
         assert (np.diff(srt, axis=-1) > 0).all(), "a position is stored twice in one head"
@@ -155,7 +155,7 @@ def drive(scn: dict, check: bool = True):
         if values_kept:
             assert np.array_equal(v_now, np.take_along_axis(values, np.broadcast_to(idx, v_now.shape), 2))
     k_now, v_now = c.keys_and_values()
-    return tuple(np.array(a) for a in (c._pos, k_now, v_now, c._score))
+    return tuple(np.array(a) for a in (slot_tags(c), k_now, v_now, c.slot_scores))
 
 
 scenarios = st.fixed_dictionaries(
@@ -203,7 +203,7 @@ def test_cam_seeded_gate_reproducible_and_seed_dependent():
             c.update_and_fetch(mx.array(keys[:, :, sl]), mx.array(values[:, :, sl]))
             c.observe(mx.array(queries[:, :, sl]), D**-0.5)
         k, v = c.keys_and_values()
-        return int(mx.sum(c._states["disposition"].merges)), np.array(c._pos), np.array(v), np.array(c._score)
+        return int(mx.sum(c.component_state("disposition").merges)), np.array(slot_tags(c)), np.array(v), np.array(c.slot_scores)
 
     a, b, other = run(0), run(0), run(1)
     assert a[0] > 0, "no merge happened, the gate was never exercised"

@@ -87,7 +87,7 @@ def test_bypassing_attention_falls_back_to_proxy_with_warning(fresh_proxy_warnin
     for c in cache:
         assert c.score_source == "proxy" and c.diagnostics["score_source"] == "proxy"
         assert c.evictions > 0 and c.size() == 8
-        assert float(c._score.sum()) > 0  # the proxy did score
+        assert float(c.slot_scores.sum()) > 0  # the proxy did score
 
 
 def test_direct_update_without_observe_uses_proxy(fresh_proxy_warning):
@@ -98,7 +98,7 @@ def test_direct_update_without_observe_uses_proxy(fresh_proxy_warning):
         c.update_and_fetch(*_kv(s=1, seed=2))
     assert c.score_source == "proxy"
     # the proxy scored the first 3 slots with causal key-as-query attention: each key row sums to 1
-    assert np.allclose(np.array(c._score[..., :3]).sum(-1), 3.0, atol=1e-5)
+    assert np.allclose(np.array(c.slot_scores[..., :3]).sum(-1), 3.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -114,7 +114,7 @@ def test_wrapper_installed_by_make_prompt_cache_uses_real_queries(method):
         feed(model, cache, token_ids(5, seed=13), step=1)
     for c in cache:
         assert c.score_source == "queries" and c.evictions > 0
-        assert c._proxy_steps == 0 and c._query_steps == len(range(0, n, n // 4)) + 5
+        assert c.diagnostics["proxy_steps"] == 0 and c.diagnostics["query_steps"] == len(range(0, n, n // 4)) + 5
 
 
 def test_fused_chunk_attention_matches_sdpa_and_seeds_the_mass():
@@ -161,4 +161,4 @@ def test_compressing_chunk_seeds_the_scorer_with_the_fused_mass(monkeypatch):
     assert float(mx.abs(a - b).max()) < 1e-4
     for x, y in zip(fused, plain):
         assert np.array_equal(positions(x), positions(y))
-        np.testing.assert_allclose(np.array(x._score), np.array(y._score), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.array(x.slot_scores), np.array(y.slot_scores), rtol=1e-4, atol=1e-5)

@@ -181,7 +181,7 @@ def _saved(model, method, tmp_path, prompt=True, **params):
 
 
 def _state(caches) -> list:
-    return [(c.offset, c.tokens_kept, list(c._rows_budget), c.score_source) for c in caches]
+    return [(c.offset, c.tokens_kept, list(c.rows_budget), c.score_source) for c in caches]
 
 
 def test_steps_that_need_the_model_hook_are_refused_without_it(tmp_path):

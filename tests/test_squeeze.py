@@ -30,7 +30,7 @@ def similarity(cache) -> list[float]:
     """Each layer's prompt similarity (row 0), as its budget's state recorded it."""
     out = []
     for c in cache:
-        st = c._states["budget"]
+        st = c.component_state("budget")
         assert isinstance(st, SqueezeState) and st.cos is not None and st.cos.shape == (1,)
         assert c.diagnostics["squeeze_similarity"] == pytest.approx(float(st.cos[0]))
         out.append(float(st.cos[0]))
@@ -224,11 +224,11 @@ def test_batch_rows_get_their_own_budgets_and_run_as_alone(model6):
         return mx.stack(outs, axis=1), cache
 
     both, cache = run(x)
-    rows = [list(c._rows_budget) for c in cache]  # [layer][row]
+    rows = [list(c.rows_budget) for c in cache]  # [layer][row]
     assert all(sum(layer[r] for layer in rows) == L * BUDGET for r in range(2))
     assert any(a != b for a, b in rows), "the two prompts should squeeze different layers"
     for r in range(2):
         alone, solo = run(x[r : r + 1])
         assert [c.budget for c in solo] == [layer[r] for layer in rows]
-        assert [c.tokens_kept for c in solo] == [c._rows_n[r] for c in cache]
+        assert [c.tokens_kept for c in solo] == [c.rows_held[r] for c in cache]
         assert float(mx.abs(both[r] - alone[0]).max()) < 1e-5

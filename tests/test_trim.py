@@ -40,8 +40,8 @@ def test_trim_within_the_last_step_behaves_like_kvcache(method):
     assert all(c.can_trim(n) for c in cache for n in (0, 1, 5, 10))
     assert mlx_cache.trim_prompt_cache(cache, 5) == mlx_cache.trim_prompt_cache(ref, 5) == 5
     for c in cache:
-        g = max(c._g, 1)
-        assert c.offset == c.size() == c.tokens_kept == 15 and c._pos.shape[-1] == c._score.shape[-1] == 15 * g
+        g = c.heads_per_row
+        assert c.offset == c.size() == c.tokens_kept == 15 and c.slot_positions.shape[-1] == c.slot_scores.shape[-1] == 15 * g
         assert (positions(c) == np.arange(15)).all()
     # speculative-decoding style: re-feed different tokens at the trimmed positions
     a = feed(model, cache, tokens[:, 20:30], step=4)
@@ -85,8 +85,8 @@ def _drive_direct(c, rng, steps):
         k = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
         v = mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32))
         q = mx.array(rng.standard_normal((1, 4, s, 16)).astype(np.float32) * 3)
-        if c._wants_tokens:  # what the model hook hands a token-scoring cache (kvzip) before a step
-            c._tokens = mx.array(rng.integers(0, 97, (1, s)), dtype=mx.int32)
+        if {"tokens", "predictions"} & c.method.scorer.requires:  # what the model hook hands over
+            c.hand_tokens(mx.array(rng.integers(0, 97, (1, s)), dtype=mx.int32))
         c.update_and_fetch(k, v)
         c.observe(q, 0.25)
 
@@ -102,7 +102,7 @@ def _canonical(c):
     k, v, pos, score = (np.array(x.astype(mx.float32)) for x in c.head_view())
     pos = pos.astype(np.int32)
     order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max), axis=-1)
-    if c._g <= 1:
+    if c.heads_per_row <= 1:
         order = order[..., : c.tokens_kept]
     held = (
         np.take_along_axis(pos, order, -1),
@@ -161,8 +161,8 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
         ka = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
         va = mx.array(rng_b.standard_normal((1, 2, S, 16)).astype(np.float32))
         qa = mx.array(rng_b.standard_normal((1, 4, S, 16)).astype(np.float32) * 3)
-        if b._wants_tokens:  # the first S - k of the ids a was handed
-            b._tokens = mx.array(rng_b.integers(0, 97, (1, S))[:, : S - k], dtype=mx.int32)
+        if {"tokens", "predictions"} & b.method.scorer.requires:  # the first S - k of the ids a was handed
+            b.hand_tokens(mx.array(rng_b.integers(0, 97, (1, S))[:, : S - k], dtype=mx.int32))
         b.update_and_fetch(ka[:, :, : S - k], va[:, :, : S - k])
         b.observe(qa[:, :, : S - k], 0.25)
         assert a.offset == b.offset and a.tokens_kept == b.tokens_kept and a.evictions == b.evictions
@@ -178,7 +178,7 @@ def test_trim_after_eviction_is_exact_within_the_last_step(method):
     assert a.trim(1) == 1 and a.offset == b.offset
     gone = a.evictions - b.evictions
     assert gone >= 1 and a.tokens_kept == a.budget - gone
-    g, slots = max(a._g, 1), np.array(a._pos)  # storage rows: g slots per token with head groups
+    g, slots = a.heads_per_row, np.array(a.slot_positions)  # storage rows: g slots per token with head groups
     assert ((slots == -1).sum(-1) == g * (a.size() - a.tokens_kept)).all()
     if "evict_count" not in a.method.hooks()["selector"]:  # one slot freed and reused, then trimmed
         assert ((slots == -1).sum(-1) == g).all() and a.size() == a.budget

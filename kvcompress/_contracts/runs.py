@@ -79,7 +79,7 @@ class _StepLog:
                                            f"{bound} allowed (budget {b}, {n0} held before)")
                     elif n0 + S <= b and n1 != n0 + S:
                         self.errors.append(f"layer {_c.layer}: under budget but {n0} + {S} held became {n1}")
-                    elif k.shape[2] != _c.size() * max(_c._g, 1) or v.shape[2] != k.shape[2] or _c.size() < n1:
+                    elif k.shape[2] != _c.size() * _c.heads_per_row or v.shape[2] != k.shape[2] or _c.size() < n1:
                         self.errors.append(f"layer {_c.layer}: returned {k.shape[2]} keys for {_c.size()} stored "
                                            f"slots holding {n1} tokens")
                     elif _c.offset != off0 + S:
@@ -193,7 +193,7 @@ def check_method_runs(config, method: Method, report: ContractReport, settings: 
                    f"layer {c.layer} holds {c.tokens_kept} tokens after a decode step, expected "
                    f"min(budget {c.budget}, offset {c.offset}) (the selector evicts exactly n_evict)")
         pos, scores = _positions_scores(c)
-        g = max(c._g, 1)  # head-wise budgets: the heads of a row hold g x tokens_kept together
+        g = c.heads_per_row  # head-wise budgets: the heads of a row hold g x tokens_kept together
         per_row = (pos >= 0).reshape(pos.shape[0], -1, g, pos.shape[-1]).sum(axis=(-1, -2))
         ensure((per_row == g * c.tokens_kept).all(), s, "positions",
                f"layer {c.layer}: the {g} heads of a row hold {per_row.tolist()} tokens, expected {g} x {c.tokens_kept}")

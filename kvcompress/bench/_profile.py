@@ -108,9 +108,9 @@ def _cache_arrays(c) -> list:
     """The arrays a cache step produces (storage, positions, scores, component states)."""
     from mlx.utils import tree_flatten
 
-    if not hasattr(c, "_states"):
+    if not hasattr(c, "slot_scores"):
         return [a for a in (c.keys, c.values) if a is not None]
-    arrays = [a for a in (c.keys, c.values, c._pos, c._score) if isinstance(a, mx.array)]
+    arrays = [a for a in (c.keys, c.values, c.slot_positions, c.slot_scores) if isinstance(a, mx.array)]
     # (and what the step tied to its output: a planned eviction's reads, evaluated with the step)
     return arrays + [a for _, a in tree_flatten(c.state[:-1]) if isinstance(a, mx.array)] + c.step_arrays()
 
@@ -196,7 +196,7 @@ def _component_ms(kind: str, s, n: int) -> dict:
     c = _filled_layer_cache(kind, s)
     m = c.method
     k, v = c.keys_and_values()
-    pos, score = c._pos, c._score
+    pos, score = c.slot_positions, c.slot_scores
     _, _, q1 = _layer_inputs(s, 1, 7)
     scale = s.head_dim**-0.5
     off = mx.array(c.offset, mx.int32).reshape(1, 1, 1)
@@ -216,7 +216,7 @@ def _component_ms(kind: str, s, n: int) -> dict:
 
     def score_fn():
         obs = Observation(queries=q1, keys=k, values=v, positions=pos, query_positions=qpos, n_new=1,
-                          scale=scale, n_valid=(1,), state=c._states["scorer"], **ctx)
+                          scale=scale, n_valid=(1,), state=c.component_state("scorer"), **ctx)
         return m.scorer.observe(score, obs)
 
     def select_fn():
@@ -229,7 +229,7 @@ def _component_ms(kind: str, s, n: int) -> dict:
     def dispose_fn():
         return m.disposition.dispose(Eviction(keys=k, values=v, scores=score, positions=pos, evict=evict,
                                               protected=protected, counts=(1,), draw_id=1,
-                                              state=c._states["disposition"], **ctx))
+                                              state=c.component_state("disposition"), **ctx))
 
     def write_fn():  # the slot write of the incoming token (4 put_along_axis)
         b, h = k.shape[:2]
