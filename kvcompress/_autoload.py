@@ -79,8 +79,8 @@ def _load_wrapper(fn, load):
 
 def _save_wrapper(fn, save):
     def save_prompt_cache(file_name, cache, metadata=None):
-        engine = sys.modules.get("kvcompress._engine")
-        if engine is not None and any(isinstance(c, engine._Engine) for c in cache):
+        engine = sys.modules.get("kvcompress.engine.engine")
+        if engine is not None and any(isinstance(c, engine.Engine) for c in cache):
             return save(file_name, cache, metadata)
         return fn(file_name, cache, metadata)
 

@@ -14,6 +14,7 @@ def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
     """Raise ConfigError unless every layer budget, for each nominal layer count, leaves room to
     evict past the selector's reserved tokens (what building the caches would check)."""
     from .components import ModelInfo
+    from .engine.rows import room_to_evict
     from .errors import ConfigError
 
     budget, selector = method.config.budget.name, method.config.selector.name
@@ -24,8 +25,8 @@ def check_layer_budgets(method, layer_counts=NOMINAL_LAYERS) -> None:
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         for layer, b in enumerate(budgets):
-            reserved = method.selector.reserved(int(b))
-            if reserved >= b:
+            if not room_to_evict(method.selector, b):
+                reserved = method.selector.reserved(int(b))
                 from .factory import smallest_budget
 
                 size = getattr(method.budget, "budget", None)

@@ -24,7 +24,7 @@ from typing import Optional
 
 from mlx_lm.models.base import create_causal_mask
 
-from ._engine import _Engine
+from .engine import Engine
 from .contexts import LayerInfo
 from .errors import ConfigError
 
@@ -34,7 +34,7 @@ __all__ = ["CompressedKVCache"]
 LOAD_REGISTRY: contextvars.ContextVar = contextvars.ContextVar("kvcompress_load_registry", default=None)
 
 
-class CompressedKVCache(_Engine):
+class CompressedKVCache(Engine):
     """A bounded KV cache for one attention layer of one sequence, driven by a
     :class:`~kvcompress.Method`.
 
@@ -48,29 +48,25 @@ class CompressedKVCache(_Engine):
 
     #: the batched class :meth:`merge` builds (:mod:`kvcompress.batch_cache` sets it when imported,
     #: and importing kvcompress imports it)
-    _batch_class: Optional[type] = None
+    batch_class: Optional[type] = None
 
     @property
     def offset(self) -> int:
         """Tokens seen (the RoPE position of the next token)."""
-        return self._rows_off[0] if self._rows_off else 0
+        off = self.rows_offset
+        return off[0] if off else 0
 
     @property
     def budget(self) -> int:
-        return self._rows_budget[0] if self._rows_budget else self._b_default
+        return self.default_budget if not self.rows_budget else self.rows_budget[0]
 
     @budget.setter
     def budget(self, value: int) -> None:
-        b = self._check_budget(value)
-        self._b_default = b
-        self._rows_budget = [b] * len(self._rows_budget)
+        self.set_budget(value)
 
     @property
     def layer(self) -> int:
         return self.info.layer
-
-    def _rowwise(self, values: list):
-        return values[0] if values else 0
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask for the next step of ``N`` tokens (the cache applies its exact slot mask in
@@ -86,17 +82,7 @@ class CompressedKVCache(_Engine):
             return "causal"
         # The layout after this step's eviction. (Models that apply one array mask to every layer
         # are refused per-layer budgets when the caches are built.)
-        return create_causal_mask(N, self._held_after(N))
-
-    def _held_after(self, N: int) -> int:
-        """Tokens per KV head this cache will hold before appending a step of ``N`` (after its
-        eviction): the step's own rule (``_need``, head groups included), never a copy of it."""
-        if not self._rows_n:
-            return 0
-        need = self._need([N] * len(self._rows_n))
-        count = self._hooks.selector.evict_count
-        slots = max(n - (int(count(e)) if e else e) for n, e in zip(self._rows_n, need))
-        return -(-slots // max(self._g, 1))
+        return create_causal_mask(N, self.held_after(N))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's ``kv_bits`` quantizes a full cache; it cannot wrap a compressed one. The
@@ -113,7 +99,7 @@ class CompressedKVCache(_Engine):
     @classmethod
     def merge(cls, caches):
         """The batched cache holding ``caches`` as rows (mlx-lm's batching entry point)."""
-        return cls._batch_class.merge(caches)
+        return cls.batch_class.merge(caches)
 
     @classmethod
     def from_state(cls, state, meta_state=None, registry=None):
@@ -127,7 +113,7 @@ class CompressedKVCache(_Engine):
         )
 
 
-def _rebuild(cls, state, registry=None, **extra):
+def _rebuild(cls, state, registry=None):
     """A cache of ``cls`` from a saved state list (shared by both cache classes)."""
     from .group import join
     from .method import build_method
@@ -137,9 +123,5 @@ def _rebuild(cls, state, registry=None, **extra):
     m = json.loads(state[-1])
     method = build_method(m["config"], registry=registry or LOAD_REGISTRY.get())
     info = LayerInfo(**m["info"])
-    obj = cls.__new__(cls)
     group = join(f"load:{m['group']}", info.layer, group_id=m["group"])
-    _Engine.__init__(obj, method, int(m["budget"]), info=info, group=group, **extra)
-    obj.state = state
-    obj._restored = True
-    return obj
+    return cls.restore(method, int(m["budget"]), state, info, group)

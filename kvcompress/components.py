@@ -265,7 +265,7 @@ class DispositionHooks:
         """The writes: exactly what ``dispose(ev)`` returns (and the same ``ev.state``), given
         the ``plan`` made for this ``ev``. A disposition that reads and writes the same stored
         arrays in one step makes MLX copy them; split, it only writes
-        (:mod:`kvcompress._engine_plan`)."""
+        (:mod:`kvcompress.engine.plan`)."""
 
 
 class BudgetHooks:

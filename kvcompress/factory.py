@@ -15,6 +15,7 @@ from .cache import CompressedKVCache
 from .components import KINDS
 from .config import MethodConfig, load_config
 from .contexts import LayerInfo, ModelInfo
+from .engine.rows import room_to_evict
 from .errors import ConfigError, KVCompressError, PluginError
 from .group import new_group
 from .method import Method, build_method
@@ -111,7 +112,7 @@ def smallest_budget(method: Method, info: ModelInfo, start: int, limit: int = 1 
             budgets = attrs.evolve(comp, budget=size).layer_budgets(info)
         except Exception:  # a size the budget component refuses
             return False
-        return all(int(b) >= 1 and method.selector.reserved(int(b)) < int(b) for b in budgets)
+        return all(room_to_evict(method.selector, b) for b in budgets)
 
     lo, hi = max(start, 0), max(start, 1) * 2
     while not ok(hi):  # the first working size is in (lo, hi]
@@ -130,9 +131,9 @@ def check_room_to_evict(method: Method, info: ModelInfo, budgets) -> None:
     for layer, b in enumerate(budgets):
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             continue  # the cache itself reports a budget that is not a positive int
-        reserved = method.selector.reserved(b)
-        if reserved < b:
+        if room_to_evict(method.selector, b):
             continue
+        reserved = method.selector.reserved(b)
         size = getattr(method.budget, "budget", None)
         least = smallest_budget(method, info, size) if isinstance(size, int) else None
         hint = (f"the smallest budget that builds is {least}" if least is not None

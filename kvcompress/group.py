@@ -42,14 +42,14 @@ class PromptGroup:
         """At the start of a forward (``cache`` is the first layer): every member has seen the same
         tokens. A member left behind by the last forward means the model runs fewer layers than
         the cache list holds (mlx-lm models ``zip`` them): refused before this step changes anything."""
-        behind = [c for c in self.caches() if c is not cache and c._rows_off != cache._rows_off]
+        behind = [c for c in self.caches() if c is not cache and c.rows_offset != cache.rows_offset]
         if behind:
             from .errors import KVCompressError
 
             raise KVCompressError(
                 f"the model's last forward updated compressed layer {cache.info.layer} (tokens seen "
-                f"{cache._rows_off}) but not layer(s) {[c.info.layer for c in behind]} (tokens seen "
-                f"{behind[0]._rows_off}): the cache list holds more layers than the model runs; use it "
+                f"{cache.rows_offset}) but not layer(s) {[c.info.layer for c in behind]} (tokens seen "
+                f"{behind[0].rows_offset}): the cache list holds more layers than the model runs; use it "
                 "with the model it was made for (kvcompress.install(model) checks a list before each call)"
             )
 
@@ -66,13 +66,13 @@ class PromptGroup:
     def reduce_scores(self) -> None:
         """Agree the scores of every member that needs it across the tensor-parallel ranks, in
         one collective: the mean over ranks of each cache's pending scores (see
-        :meth:`_Engine.reduction`). Scores of step ``t`` are agreed at the start of step ``t + 1``,
+        :meth:`Engine.reduction`). Scores of step ``t`` are agreed at the start of step ``t + 1``,
         before any layer evicts with them, so one ``all_sum`` per step serves every layer."""
         import mlx.core as mx
 
         from .mlxlm.distributed import record, world
 
-        pending = [c for c in self.caches() if c._unreduced]
+        pending = [c for c in self.caches() if c.awaits_reduction]
         if not pending:
             return
         parts = [c.reduction() for c in pending]
@@ -92,18 +92,20 @@ class PromptGroup:
         members = self.caches()
         first = members[0]
         sel = first.method.selector
+        from .engine.rows import room_to_evict
+
         min_b = 1
-        while sel.reserved(min_b) >= min_b:
+        while not room_to_evict(sel, min_b):
             min_b += 1
         if first.info.pp_size > 1:
             states = _gather_states(members, "budget")
         else:
-            states = [c._states["budget"] for c in members]
-        current = [list(first._rows_budget)] * len(states)
-        budgets = first._hooks.budget.rebudget(states, current, min_b)
+            states = [c.component_state("budget") for c in members]
+        current = [first.rows_budget] * len(states)
+        budgets = first.method.hook_set().budget.rebudget(states, current, min_b)
         if budgets is not None:  # one entry per layer of ``states``: all layers, or these members
             for i, c in enumerate(members):
-                c._set_budgets(list(budgets[c.info.layer if first.info.pp_size > 1 else i]))
+                c.set_row_budgets(list(budgets[c.info.layer if first.info.pp_size > 1 else i]))
 
     def __deepcopy__(self, memo):
         """A new, empty group: each copied cache registers itself in it (see the engine)."""
@@ -154,12 +156,12 @@ def _gather_states(members: list, kind: str) -> list:
 
     first = members[0]
     comp = first.method.component(kind)
-    meta, arrays = flatten_state(first._states[kind])
+    meta, arrays = flatten_state(first.component_state(kind))
     shapes = [(a.shape, a.dtype) for a in arrays]
     width = sum(a.size for a in arrays)
     table = mx.zeros((first.info.n_layers, width), mx.float32)
     for c in members:
-        _, arrs = flatten_state(c._states[kind])
+        _, arrs = flatten_state(c.component_state(kind))
         row = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrs])
         table[c.info.layer] = row
     record(table)

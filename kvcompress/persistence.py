@@ -168,11 +168,11 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False, registry=No
 
 
 def _check_digest(file_name: str, cache: list, meta: dict, kvc_file: bool) -> None:
-    from ._engine import _Engine
+    from .engine import Engine
 
     want = meta.get(DIGEST_KEY)
     if want is None:
-        if kvc_file or any(isinstance(c, _Engine) for c in cache):
+        if kvc_file or any(isinstance(c, Engine) for c in cache):
             raise CorruptCacheFile(
                 f"{file_name}: the file holds kvcompress layers but no kvcompress digest (its header is "
                 "damaged, or it was not written by kvcompress.save_prompt_cache); it cannot be checked, "

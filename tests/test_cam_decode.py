@@ -53,7 +53,7 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
     deep copy it picks the targets and produces the logits of computing every norm afresh."""
     import copy
 
-    from kvcompress import _engine
+    from kvcompress.engine import engine as _engine
 
     model = models["gqa"]
     seen = []
@@ -67,7 +67,7 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
 
     def drive(fresh: bool):
         if fresh:  # the cache never says which slots it wrote: every norm is computed
-            monkeypatch.setattr(_engine._Engine, "_written_slots", lambda self: None)
+            monkeypatch.setattr(_engine.Engine, "_written_slots", lambda self: None)
         else:
             monkeypatch.undo()
             monkeypatch.setattr(GatedMerge, "_nearest_rows", spy)

@@ -243,17 +243,17 @@ def test_catches_broken_budget(cls, broken):
 
 def test_catches_a_cache_that_outgrows_its_budget(monkeypatch):
     """The per-step budget rule is checked on the real cache, not assumed."""
-    from kvcompress._engine import _Engine
+    from kvcompress.engine import Rows
 
-    monkeypatch.setattr(_Engine, "_evict", lambda self, need: None)  # never frees a slot
+    monkeypatch.setattr(Rows, "need", lambda self, valid, g: [0] * len(valid))  # never frees a slot
     with pytest.raises(ContractFailure, match="contract 'budget held' broken"):
         check_method("h2o")
 
 
 def test_catches_a_cache_whose_batch_rows_diverge(monkeypatch):
     """Batched generation is compared with each row's solo run, not assumed."""
-    from kvcompress import BatchCompressedKVCache
+    from kvcompress.engine import Rows
 
-    monkeypatch.setattr(BatchCompressedKVCache, "_seen", lambda self: self.rows_offset)  # counts right padding
+    monkeypatch.setattr(Rows, "seen", lambda self: self.offset)  # counts a batch's right padding
     with pytest.raises(ContractFailure, match="contract 'batched' broken: row 1"):
         check_method("streaming_llm_shift")

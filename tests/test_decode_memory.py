@@ -57,7 +57,7 @@ def test_proxy_scored_decode_memory_does_not_grow(monkeypatch):
     graph spans one step, not the whole generation."""
     import warnings
 
-    from kvcompress import _engine_attend
+    from kvcompress.engine import attend as _engine_attend
     from test_real_queries import _BypassModel
 
     monkeypatch.setattr(_engine_attend, "_proxy_warned", True)

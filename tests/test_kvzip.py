@@ -13,7 +13,7 @@ import pytest
 
 import kvcompress
 from kvcompress import ComponentSpec, hookimpl, ops
-from kvcompress import _scoring_pass
+from kvcompress.engine import passes as _scoring_pass
 from kvcompress.batch_cache import BatchCompressedKVCache
 from kvcompress.registry import Registry
 from kvcompress_kvzip import KVzipScorer, pass_score, repeat_prompt

@@ -1,4 +1,4 @@
-"""Planned evictions (``kvcompress/_engine_plan.py``): a disposition with ``plan``/``apply`` has a
+"""Planned evictions (``kvcompress/engine/plan.py``): a disposition with ``plan``/``apply`` has a
 decode step's eviction chosen and read at the end of the step before, and only written at the
 step. The result must be exactly that of disposing at the step -- through chunks, decode steps,
 a trimmed step, a multi-token step, a deep copy and a save/load, in batches -- and the step must
@@ -16,7 +16,7 @@ import pytest
 import kvcompress
 from conftest import tiny_llama
 from kvcompress import ComponentSpec, CompressedKVCache, build_method
-from kvcompress._engine_plan import _PlanMixin
+from kvcompress.engine.plan import _PlanMixin
 
 METHODS = sorted(kvcompress.get_registry().methods)
 PLANNING = [m for m in METHODS if "plan" in build_method(m, budget=16).hooks()["disposition"]]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcompress
-import kvcompress._engine_attend as kvc_engine
+import kvcompress.engine.attend as kvc_engine
 from conftest import make_caches, tiny_llama
 from kvcompress import CompressedKVCache
 from test_cache_protocol import _kv, feed, fresh_tiny, positions, token_ids

@@ -28,7 +28,7 @@ from _regression_helpers import prompt_tokens
 def _caches_reachable_from(root) -> list:
     """kvcompress caches / prompt groups reachable from ``root`` through object references
     (weak references followed; module globals, classes of builtins and arrays not entered)."""
-    from kvcompress._engine import _Engine
+    from kvcompress.engine import Engine
     from kvcompress.group import PromptGroup
 
     module_dicts = {id(vars(m)) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")}
@@ -38,7 +38,7 @@ def _caches_reachable_from(root) -> list:
         if id(o) in seen:
             continue
         seen.add(id(o))
-        if isinstance(o, (_Engine, PromptGroup)):
+        if isinstance(o, (Engine, PromptGroup)):
             found.append(o)
             continue
         if isinstance(o, weakref.ref):

@@ -54,8 +54,7 @@ def _switch_off(c, flags) -> None:
     if "no_evict" in flags:
         c.budget = 10**9
     if "no_score" in flags:
-        c.method = attrs.evolve(c.method, scorer=_KeepScores())
-        c._hooks, c._wants_mass = c.method.hook_set(), False
+        c.replace_method(attrs.evolve(c.method, scorer=_KeepScores()))
 
 
 def _model_profile(model, variants: list, s) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from .._engine import _Engine
+from ..engine import Engine
 from ..errors import ConfigError
 
 __all__ = ["subclass", "base_class", "install_layer_io"]
@@ -23,7 +23,7 @@ _MADE: dict = {}
 
 def _cache_in(args, kwargs):
     for a in (*args, *kwargs.values()):
-        if isinstance(a, _Engine):
+        if isinstance(a, Engine):
             return a
     return None
 
@@ -32,18 +32,18 @@ def _block_call(base, block, args, kwargs):
     cache = _cache_in(args, kwargs)
     if cache is None or not cache.wants_layer_io():
         return base.__call__(block, *args, **kwargs)
-    cache._io_input = args[0] if args else next(iter(kwargs.values()))
+    cache.hold_layer_input(args[0] if args else next(iter(kwargs.values())))
     try:
         return base.__call__(block, *args, **kwargs)
     finally:
-        cache._io_input = None
+        cache.hold_layer_input(None)
 
 
 def _attn_call(base, attn, args, kwargs):
     out = base.__call__(attn, *args, **kwargs)
     cache = _cache_in(args, kwargs)
-    if cache is not None and cache._io_input is not None:
-        x, cache._io_input = cache._io_input, None
+    x = None if cache is None else cache.take_layer_input()
+    if x is not None:
         cache.observe_layer_io(x, out)
     return out
 

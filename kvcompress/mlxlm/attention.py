@@ -29,9 +29,9 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import _engine
-from .._engine import _Engine
-from .._scoring_pass import PassView, after_call, before_call
+from ..engine import Engine
+from ..engine.engine import before_update
+from ..engine.passes import PassView, after_call, before_call
 from . import entry_points
 from ._hooks import base_class, install_layer_io, subclass
 from .fit import prepare_call
@@ -44,7 +44,7 @@ _scanned = 0
 
 
 def _wrap(original):
-    engine = (_Engine, PassView)
+    engine = (Engine, PassView)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if not isinstance(cache, engine):
@@ -108,7 +108,7 @@ def install(model: nn.Module) -> list:
     Also gives ``model`` the model hook (:func:`install_model_hook`): a stateless subclass whose
     call checks that a kvcompress cache list fits the model, hands the input token ids to caches
     whose scorer requires ``"tokens"`` and first runs the scoring passes their scorer asks for
-    (:mod:`kvcompress._scoring_pass`). mlx-lm's ``generate_step`` and ``BatchGenerator`` install
+    (:mod:`kvcompress.engine.passes`). mlx-lm's ``generate_step`` and ``BatchGenerator`` install
     it themselves when given kvcompress caches (:mod:`kvcompress.mlxlm.entry_points`)."""
     ensure_wrapped()
     install_model_hook(model)
@@ -154,5 +154,4 @@ def install_model_hook(model: nn.Module) -> None:
 
 # the engine runs this before every update (it imports no mlx-lm glue itself): a cache loaded in a
 # fresh process, or a model module imported after the caches were built, finds the wrapper too
-if ensure_wrapped not in _engine._BEFORE_UPDATE:
-    _engine._BEFORE_UPDATE.append(ensure_wrapped)
+before_update(ensure_wrapped)

@@ -25,7 +25,7 @@ import functools
 import sys
 from typing import Any, Callable, Optional
 
-from .._engine import _Engine
+from ..engine import Engine
 from ..errors import ConfigError
 
 __all__ = ["wrap", "check_batch"]
@@ -34,7 +34,7 @@ _MARK = "__kvcompress_entry__"
 
 
 def _has_engine(cache_list) -> bool:
-    return isinstance(cache_list, (list, tuple)) and any(isinstance(c, _Engine) for c in cache_list)
+    return isinstance(cache_list, (list, tuple)) and any(isinstance(c, Engine) for c in cache_list)
 
 
 def _step(original, install, with_draft: bool = False):
@@ -54,15 +54,15 @@ def _step(original, install, with_draft: bool = False):
 def _signature(c) -> Optional[tuple]:
     """What rows of one layer must share to batch: a kvcompress cache's method and layer (None:
     any other cache, which mlx-lm batches itself)."""
-    return (c.method.config, c.info) if isinstance(c, _Engine) else None
+    return (c.method.config, c.info) if isinstance(c, Engine) else None
 
 
 def _describe(c) -> str:
-    return f"a kvcompress {c.method.name!r} cache" if isinstance(c, _Engine) else f"an mlx-lm {type(c).__name__}"
+    return f"a kvcompress {c.method.name!r} cache" if isinstance(c, Engine) else f"an mlx-lm {type(c).__name__}"
 
 
 def _mismatch(a, b) -> str:
-    if isinstance(a, _Engine) and isinstance(b, _Engine) and a.method.name == b.method.name:
+    if isinstance(a, Engine) and isinstance(b, Engine) and a.method.name == b.method.name:
         return f"kvcompress {a.method.name!r} caches built with different parameters or for different layers"
     return f"{_describe(a)} and {_describe(b)}"
 

@@ -22,7 +22,7 @@ from typing import Optional
 import attrs
 from mlx_lm.models.cache import KVCache
 
-from .._engine import _Engine
+from ..engine import Engine
 from .._model import default_cache, model_info
 from ..errors import KVCompressError
 from ._hooks import install_layer_io
@@ -65,7 +65,7 @@ def model_facts(model) -> ModelFacts:
 
 
 def _engines(cache_list) -> list:
-    return [(i, c) for i, c in enumerate(cache_list) if isinstance(c, _Engine)]
+    return [(i, c) for i, c in enumerate(cache_list) if isinstance(c, Engine)]
 
 
 def check_fit(model, cache_list, where: str = "the cache list") -> None:

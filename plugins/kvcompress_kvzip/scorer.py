@@ -3,7 +3,7 @@ Compression with Context Reconstruction", arXiv 2505.23416, Sec. 3 / Algorithm 1
 
 KVzip asks the model to *reconstruct* its context from the cache and keeps the slots the
 reconstruction needs. The context is reconstructed in pieces ``c`` of ``chunk`` tokens: a
-*scoring pass* (``kvcompress._scoring_pass``) runs the whole model on::
+*scoring pass* (``kvcompress.engine.passes``) runs the whole model on::
 
     input = prompt + (last 8 ids of the previous piece) + c         (positions after the cache)
 

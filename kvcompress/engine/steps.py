@@ -1,4 +1,4 @@
-"""The engine's input checks, row bookkeeping, trimming and ``state`` (mlx-lm protocol)."""
+"""The engine's input checks, exact trims and ``state`` (mlx-lm protocol)."""
 
 from __future__ import annotations
 
@@ -8,34 +8,15 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from . import _state
-from .errors import ConfigError, KVCompressError
-from .storage import dtype_name, from_state, to_state
+from .. import _state
+from ..errors import ConfigError, KVCompressError
+from .rows import Rows
+from ..storage import dtype_name, from_state, to_state
 
-_STATE_VERSION = 2
+STATE_VERSION = 2
 
 
 class _StateMixin:
-    def _seen(self) -> list:
-        """Tokens each row has really seen (``_rows_off`` without a prompt's right padding)."""
-        if self._pad is None:
-            return self._rows_off
-        return [o - p for o, p in zip(self._rows_off, self._pad)]
-
-    def _take_valid(self, S: int) -> list:
-        if self._new_valid is None:
-            return [S] * len(self._rows_n)
-        out = [min(S, r) for r in self._new_valid]
-        self._new_valid = [r - v for r, v in zip(self._new_valid, out)]
-        return out
-
-    def _need(self, valid: list) -> list:
-        """Slots (``g`` per token) each row frees before storing ``valid[b]`` new tokens: a row
-        over its budget keeps ``budget - 1`` old tokens per head."""
-        g = self._g
-        return [max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
-                for n, v, bud in zip(self._rows_n, valid, self._rows_budget)]
-
     def _refuse_step(self, b: int, S: int):
         """Refuse, before anything changes, a step the cache could only take differently from an
         uninterrupted run; returns the step's token ids for scorers that require them (else None).
@@ -89,8 +70,8 @@ class _StateMixin:
             raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on [B, H_kv, S]")
         if not mx.issubdtype(keys.dtype, mx.floating) or keys.dtype != values.dtype:
             raise TypeError(f"keys/values must share a floating dtype; got {keys.dtype}, {values.dtype}")
-        if self._rows_n and keys.shape[0] != len(self._rows_n):
-            raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows_n)}")
+        if self._rows.held and keys.shape[0] != len(self._rows.held):
+            raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows.held)}")
         if self.keys is not None:
             if keys.shape[1] != self.keys.shape[1] * max(self._g, 1) or keys.shape[3] != self.keys.shape[3] or (
                 values.shape[3] != self.values.shape[3]
@@ -144,8 +125,7 @@ class _StateMixin:
             self._n -= n * self._g
             self._pos = self._pos[..., : self._n]
             self._score = scores[..., : self._n]
-        self._rows_n = [x - n * self._g for x in self._rows_n]
-        self._rows_off = [o - n for o in self._rows_off]
+        self._rows.rewind(n, self._g)
         self._states["scorer"] = sstate
         self._undo = None
         if not keep:  # the whole step leaves: so does its observation
@@ -155,7 +135,7 @@ class _StateMixin:
                 self._query_steps -= 1
         tokens, self._undo_tokens = getattr(self, "_undo_tokens", None), None
         if keep:
-            self._pending = (keep, [keep] * len(self._rows_n), None)
+            self._pending = (keep, [keep] * len(self._rows.held), None)
             self._step_tokens = None if tokens is None else tokens[:, :keep]
             pred, self._undo_predictions = self._undo_predictions, None
             self._score_step(queries[:, :, :keep] if queries is not None else None, scale, proxy=False)
@@ -173,17 +153,14 @@ class _StateMixin:
             n_arrays[kind] = len(arrs)
             arrays += arrs
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "config": self.method.config.to_dict(),
             "info": attrs.asdict(self.info),
-            "budget": self._b_default,
+            "budget": self._rows.default_budget,
             "group": self.group.id,
             "n": self._n,
             "g": self._g,
-            "rows_n": self._rows_n,
-            "rows_off": self._rows_off,
-            "rows_budget": self._rows_budget,
-            "rows_evicted": self._rows_evicted,
+            **self._rows.to_meta(),
             "rounds": self._rounds,
             "query_steps": self._query_steps,
             "proxy_steps": self._proxy_steps,
@@ -191,7 +168,7 @@ class _StateMixin:
             "components": comp,
             "n_component_arrays": n_arrays,
             # only caches that ran scoring passes: other methods' files keep their format
-            **({"passes": {"count": self._passes, "rows_tokens": self._rows_pass, "seconds": self._pass_seconds}}
+            **({"passes": {"count": self._passes, "rows_tokens": self._rows.passed, "seconds": self._pass_seconds}}
                if self._passes else {}),
             # low-bit storage only (float files keep their format): the stored vectors' dtype
             **({"kv_dtype": dtype_name(self.keys.dtype)}
@@ -211,8 +188,8 @@ class _StateMixin:
     def state(self, v):
         *arrays, text = v
         m = json.loads(text)
-        if m.get("version") != _STATE_VERSION:
-            raise ConfigError(f"unsupported kvcompress cache state version {m.get('version')!r} (expected {_STATE_VERSION})")
+        if m.get("version") != STATE_VERSION:
+            raise ConfigError(f"unsupported kvcompress cache state version {m.get('version')!r} (expected {STATE_VERSION})")
         n_extra = sum(m["n_component_arrays"].values())
         extra, arrays = arrays[:n_extra], arrays[n_extra:]
         i = 0
@@ -230,17 +207,14 @@ class _StateMixin:
             self._pos, self._score = pos.astype(mx.int32), score.astype(mx.float32)
         else:
             self.keys = self.values = self._pos = self._score = None
-        self._b_default = int(m["budget"])
         self._n = int(m["n"])
         self._g = int(m.get("g", 0))
-        self._rows_n, self._rows_off = list(m["rows_n"]), list(m["rows_off"])
-        self._rows_budget, self._rows_evicted = list(m["rows_budget"]), list(m["rows_evicted"])
         self._rounds = int(m["rounds"])
         self._query_steps, self._proxy_steps = int(m["query_steps"]), int(m["proxy_steps"])
         self._unreduced = bool(m.get("unreduced", False)) and self._reduce
         passes = m.get("passes") or {}
         self._passes, self._pass_seconds = int(passes.get("count", 0)), float(passes.get("seconds", 0.0))
-        self._rows_pass = list(passes.get("rows_tokens", [0] * len(self._rows_n)))
+        self._rows = Rows.from_meta(m, int(m["budget"]), passes.get("rows_tokens"))
         self._pending = self._undo = None
 
     @property

@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from . import _state, ops
-from .contexts import Observation, Predictions
-from .errors import KVCompressError
-from .storage import as_float
+from .. import _state, ops
+from ..contexts import Observation, Predictions
+from ..errors import KVCompressError
+from ..storage import as_float
 
 __all__ = ["PassView", "before_call", "after_call", "MAX_PASSES"]
 
@@ -49,7 +49,7 @@ class PassView:
         b, m = ids.shape
         self._ids = ids
         self._m = m
-        off = mx.array(cache._rows_off, dtype=mx.int32).reshape(-1, 1, 1)
+        off = mx.array(cache._rows.offset, dtype=mx.int32).reshape(-1, 1, 1)
         qpos = off + mx.arange(m, dtype=mx.int32).reshape(1, 1, m)
         self._qpos = mx.where((ids >= 0)[:, None, :] & (qpos >= 0), qpos, -1)  # [B, 1, M]
         self._weight = (self._qpos >= 0).astype(mx.float32)
@@ -104,7 +104,7 @@ class PassView:
             scores = mx.concatenate([c._score, scores[..., self._t :]], axis=-1)
         obs = Observation(
             queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
-            n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._seen()), layer=c.info,
+            n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._rows.seen()), layer=c.info,
             n_valid=(self._m,) * b, query_weight=self._weight, state=_state.snapshot(c._states["scorer"]),
             tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group, weights=self._weights,
         )
@@ -128,14 +128,14 @@ def _sharded() -> bool:
 
 
 def _engines(cache_list) -> list:
-    from ._engine import _Engine
+    from .engine import Engine
 
-    return [c for c in cache_list if isinstance(c, _Engine)]
+    return [c for c in cache_list if isinstance(c, Engine)]
 
 
 def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
     """Run every scoring pass the caches' scorer asks for; returns how many ran."""
-    from ._engine import _Engine
+    from .engine import Engine
 
     engines = _engines(cache_list)
     asker = next((c for c in engines if c._has_passes), None)
@@ -155,13 +155,13 @@ def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
             )
         ids = ids if isinstance(ids, mx.array) else mx.array(ids)
         ids = ids.astype(mx.int32)
-        if ids.ndim != 2 or (asker._rows_n and ids.shape[0] != len(asker._rows_n)):
+        if ids.ndim != 2 or (asker._rows.held and ids.shape[0] != len(asker._rows.held)):
             raise KVCompressError(
-                f"pass_tokens must return [B, M] token ids for the cache's {len(asker._rows_n)} rows, "
+                f"pass_tokens must return [B, M] token ids for the cache's {len(asker._rows.held)} rows, "
                 f"got shape {tuple(ids.shape)}"
             )
         t0 = time.perf_counter()
-        views = [PassView(c, ids) if isinstance(c, _Engine) else copy.deepcopy(c) for c in cache_list]
+        views = [PassView(c, ids) if isinstance(c, Engine) else copy.deepcopy(c) for c in cache_list]
         out = call(mx.maximum(ids, 0), views)
         # Only the layers' scores are needed: the final norm and the vocabulary projection stay
         # unevaluated, unless the ranks of a sharded model must meet in the whole call's collectives.
@@ -172,8 +172,8 @@ def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
         for c in engines:
             c._passes += 1
             c._pass_seconds += dt
-            rows = c._rows_pass or [0] * len(per_row)
-            c._rows_pass = [a + int(x) for a, x in zip(rows, per_row)]
+            rows = c._rows.passed or [0] * len(per_row)
+            c._rows.passed = [a + int(x) for a, x in zip(rows, per_row)]
 
 
 def before_call(call: Callable[[mx.array, list], Any], cache_list, inputs) -> None:

@@ -7,8 +7,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import _state
-from .components import KINDS
+from .. import _state
+from ..components import KINDS
 
 
 class _ViewMixin:
@@ -37,17 +37,40 @@ class _ViewMixin:
     @property
     def rows_held(self) -> list:
         """Slots each batch row holds (``heads_per_row`` per token with head groups)."""
-        return list(self._rows_n)
+        return list(self._rows.held)
 
     @property
     def rows_offset(self) -> list:
         """Tokens each batch row has been given (the RoPE offset of its next step)."""
-        return list(self._rows_off)
+        return list(self._rows.offset)
+
+    @property
+    def default_budget(self) -> int:
+        """The budget a row gets when a first step starts it (tokens per KV head)."""
+        return self._rows.default_budget
 
     @property
     def rows_budget(self) -> list:
         """Each batch row's budget in tokens per KV head."""
-        return list(self._rows_budget)
+        return list(self._rows.budget)
+
+    @property
+    def slot_width(self) -> int:
+        """Slots stored per row, empty ones included (the width attention reads)."""
+        return self._n
+
+    def offset_array(self) -> mx.array:
+        """Tokens each row has been given, ``[B]`` int32 (built once per value)."""
+        key = tuple(self._rows.offset)
+        if self._off_array[0] != key:
+            self._off_array = (key, mx.array(self._rows.offset, dtype=mx.int32))
+        return self._off_array[1]
+
+    def held_after(self, S: int) -> int:
+        """Tokens per KV head the widest row holds before appending a step of ``S`` tokens, after
+        that step's eviction: the step's own rule (:meth:`Rows.need`, head groups and the
+        selector's chunk rounding included), for masks built ahead of the step."""
+        return self._rows.held_after(S, max(self._g, 1), self._hooks.selector.evict_count)
 
     def hand_tokens(self, ids: Optional[mx.array]) -> None:
         """The next step's input token ids ``[B, S]`` int32, as the model hook hands them over
@@ -114,7 +137,9 @@ class _ViewMixin:
 
     def _rowwise(self, values: list):
         """A per-row figure as users see it (one value for a single-sequence cache)."""
-        raise NotImplementedError
+        if self.BATCHED:
+            return list(values)
+        return values[0] if values else 0
 
     def full_cache_nbytes(self) -> int:
         """Bytes mlx-lm's ``KVCache`` would hold for the tokens seen (it grows in steps of 256)."""
@@ -125,7 +150,7 @@ class _ViewMixin:
         dv = self.values.shape[-1]
         per_token = h * (dk * self.keys.dtype.size + dv * self.values.dtype.size)
         step = 256
-        return sum(-(-max(o, 0) // step) * step for o in self._rows_off) * per_token
+        return sum(-(-max(o, 0) // step) * step for o in self._rows.offset) * per_token
 
     @property
     def diagnostics(self) -> dict:
@@ -133,18 +158,18 @@ class _ViewMixin:
         the compression in tokens and in bytes, where scores came from, plus each component's
         own figures (e.g. merges)."""
         g = max(self._g, 1)
-        kept = [_per_head(n, g) for n in self._rows_n or [0]]
-        seen = self._rows_off or [0]
+        kept = [_per_head(n, g) for n in self._rows.held or [0]]
+        seen = self._rows.offset or [0]
         held = self.nbytes
         out = {
             "method": self.method.name,
             "layer": self.info.layer,
-            "budget": self._rowwise(self._rows_budget or [self._b_default]),
+            "budget": self._rowwise(self._rows.budget or [self._rows.default_budget]),
             "offset": self._rowwise(seen),
             "tokens_kept": self._rowwise(kept),
             "compression_tokens": self._rowwise([o / n if n else 1.0 for o, n in zip(seen, kept)]),
             "compression_bytes": self.full_cache_nbytes() / held if held and self.keys is not None else 1.0,
-            "evictions": self._rowwise([_per_head(e, g) for e in self._rows_evicted or [0]]),
+            "evictions": self._rowwise([_per_head(e, g) for e in self._rows.evicted or [0]]),
             "score_source": self.score_source,
             # steps scored from the model's real queries / from keys as proxy queries
             "query_steps": self._query_steps,
@@ -153,7 +178,7 @@ class _ViewMixin:
             # scoring passes (whole-model figures, the same in every layer): extra forwards the
             # scorer asked for, their tokens per row and their wall time
             "scoring_passes": self._passes,
-            "scoring_pass_tokens": self._rowwise(self._rows_pass or [0]),
+            "scoring_pass_tokens": self._rowwise(self._rows.passed or [0]),
             "scoring_pass_seconds": self._pass_seconds,
         }
         for kind in KINDS:
@@ -167,13 +192,13 @@ class _ViewMixin:
     def tokens_kept(self):
         """Tokens currently held per row and KV head (the mean over a head group's heads)."""
         g = max(self._g, 1)
-        return self._rowwise([_per_head(n, g) for n in self._rows_n or [0]])
+        return self._rowwise([_per_head(n, g) for n in self._rows.held or [0]])
 
     @property
     def evictions(self):
         """Tokens evicted so far (per row, per KV head)."""
         g = max(self._g, 1)
-        return self._rowwise([_per_head(e, g) for e in self._rows_evicted or [0]])
+        return self._rowwise([_per_head(e, g) for e in self._rows.evicted or [0]])
 
 
 def _per_head(total: int, g: int):

@@ -25,7 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .storage import as_float
+from ..storage import as_float
 
 
 class _PlanMixin:
@@ -37,8 +37,8 @@ class _PlanMixin:
         return (
             (self.keys, self.values, self._pos, self._score, self._states["selector"],
              self._states["disposition"], self._written),
-            (self._n, self._g, self._rounds, tuple(self._rows_off), tuple(self._rows_n),
-             tuple(self._rows_budget), tuple(self._pad or ())),
+            (self._n, self._g, self._rounds, tuple(self._rows.offset), tuple(self._rows.held),
+             tuple(self._rows.budget), tuple(self._rows.pad or ())),
         )
 
     def _plan_next(self) -> None:
@@ -46,9 +46,9 @@ class _PlanMixin:
         and the disposition plans."""
         self._planned = None
         plan_hook = self._hooks.disposition.plan
-        if plan_hook is None or self._reduce or self.group.rebudget_pending or self._new_valid is not None:
+        if plan_hook is None or self._reduce or self.group.rebudget_pending or self._rows.pending is not None:
             return
-        need = self._need([1] * len(self._rows_n))
+        need = self._rows.need([1] * len(self._rows), self._g)
         if not any(need):
             return
         ev = self._eviction(need)

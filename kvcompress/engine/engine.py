@@ -28,17 +28,18 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ._engine_attend import UNDO_TOKENS, _AttendMixin
-from ._engine_plan import _PlanMixin
-from ._engine_state import _STATE_VERSION, _StateMixin
-from ._engine_view import _ViewMixin
-from .components import KINDS
-from .contexts import Eviction, LayerInfo, Selection
-from .errors import ConfigError
-from .group import PromptGroup, new_group
-from .storage import concat_slots, fill_from_end, put_slots, rewritten, take_slots, zeros_like_rows
+from .attend import UNDO_TOKENS, _AttendMixin
+from .plan import _PlanMixin
+from .steps import STATE_VERSION, _StateMixin
+from .report import _ViewMixin
+from ..components import KINDS
+from ..contexts import Eviction, LayerInfo, Selection
+from ..errors import ConfigError
+from ..group import PromptGroup, new_group
+from .rows import Rows, room_to_evict
+from ..storage import concat_slots, fill_from_end, put_slots, rewritten, take_slots, zeros_like_rows
 
-__all__ = ["UNDO_TOKENS", "_STATE_VERSION"]
+__all__ = ["Engine", "UNDO_TOKENS", "STATE_VERSION", "before_update"]
 
 _OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24 tokens)
 _POS_MASK = (1 << _OWNER_SHIFT) - 1
@@ -50,55 +51,43 @@ _POS_MASK = (1 << _OWNER_SHIFT) - 1
 _BEFORE_UPDATE: list = []
 
 
+def before_update(fn) -> None:
+    """Register ``fn()`` to run before every step's storing (once per function)."""
+    if fn not in _BEFORE_UPDATE:
+        _BEFORE_UPDATE.append(fn)
+
+
 def _ensure_wrapped() -> None:
     for fn in _BEFORE_UPDATE:
         fn()
 
 
-class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
+class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
     step = 256
+    #: whether the rows are a batch as users see it (per-row figures as lists, rows that may
+    #: hold different counts); a single-sequence cache reports one value
+    BATCHED = False
 
-    def __init__(self, method, budget, layer=0, group: Optional[PromptGroup] = None, info: Optional[LayerInfo] = None):
-        self.method = method
+    def __init__(self, method, budget, layer=0, group: Optional[PromptGroup] = None, info: Optional[LayerInfo] = None,
+                 offsets: Optional[list] = None):
         self.info = info if info is not None else LayerInfo(layer=int(layer))
-        self._hooks = method.hook_set()
+        self._use(method)
         self._store = method.storage  # how the kept slots are held (kvcompress.storage)
-        self._b_default = self._check_budget(budget)
+        self._rows = Rows(self._check_budget(budget), offsets)  # per-row host facts (rows.py)
         self.group = group if group is not None else new_group()
         self.group.add(self.info.layer, self)
         inits = {k: self._hooks.of(k).init_state for k in KINDS}
         self._states = {k: init(self.info) if init else None for k, init in inits.items()}
-        self._wants_mass = "step_mass" in method.scorer.requires
-        self._wants_io = "layer_io" in method.budget.requires
-        self._needs_queries = "queries" in method.scorer.requires
-        # the model hook hands over each call's token ids (before) and next-token predictions
-        # (after, contexts.Predictions: indexed by the ids, so such a scorer gets both)
-        self._wants_predictions = "predictions" in method.scorer.requires
-        self._wants_tokens = "tokens" in method.scorer.requires or self._wants_predictions
         self._undo_predictions = None  # the last step's, while it can be trimmed
-        if self._wants_predictions and self._hooks.scorer.observe_predictions is None:
-            raise ConfigError(
-                f"scorer {type(method.scorer).__name__} requires 'predictions' but defines no "
-                "observe_predictions(scores, obs) hook to receive them"
-            )
-        self._has_passes = self._hooks.scorer.pass_tokens is not None
-        self._wants_pass_weights = "pass_weights" in method.scorer.requires
         self._hooked = False  # the model hook ran before this call (scorers with scoring passes)
         self._restored = False  # rebuilt from a saved state (its model may not be prepared for it)
         self._tokens = self._step_tokens = self._undo_tokens = None
         self._passes, self._pass_seconds = 0, 0.0
-        self._rows_pass: list[int] = []  # scoring-pass tokens per row
         # scores that must agree across tensor-parallel ranks: a decision over all heads of the
         # layer ("head_shared"), or KV heads every rank holds while their queries are split (MLA)
-        self._head_shared = "head_shared" in method.scorer.provides
-        self._reduce = self.info.tp_size > 1 and (self.info.kv_replicated or self._head_shared)
         self._unreduced = False
         self.keys = self.values = self._pos = self._score = None
         self._n = 0  # stored width T
-        self._rows_n: list[int] = []  # tokens held per row
-        self._rows_off: list[int] = []  # tokens seen per row (RoPE offset of the next step)
-        self._rows_budget: list[int] = []
-        self._rows_evicted: list[int] = []
         self._rounds = 0
         self._query_steps = self._proxy_steps = 0
         self._pending = None  # (S, valid per row, query positions) of a step not yet observed
@@ -110,19 +99,55 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         self._last_valid: list = []
         self._last_slots = None
         self._written: Optional[tuple] = None  # (keys, slots written since the last eviction)
-        self._new_valid: Optional[list] = None  # right-padding bookkeeping (batch prefill)
         self._off_cache: tuple = (None, None)
+        self._off_array: tuple = (None, None)
         self._attn_keys = self._bias = None
-        self._pad: Optional[list] = None  # right padding stored per row so far (until finalize)
         self._g = 0  # KV heads per storage row (0: not known before the first step)
         if self.info.n_kv_heads:  # a head group that cannot work is refused now
             self._hooks.selector.head_group(self.info, self.info.n_kv_heads)
 
+    def _use(self, method) -> None:
+        """The method's hooks and what its components declare they need from the engine."""
+        self.method, self._hooks = method, method.hook_set()
+        self._wants_mass = "step_mass" in method.scorer.requires
+        self._wants_io = "layer_io" in method.budget.requires
+        self._needs_queries = "queries" in method.scorer.requires
+        # the model hook hands over each call's token ids (before) and next-token predictions
+        # (after, contexts.Predictions: indexed by the ids, so such a scorer gets both)
+        self._wants_predictions = "predictions" in method.scorer.requires
+        self._wants_tokens = "tokens" in method.scorer.requires or self._wants_predictions
+        if self._wants_predictions and self._hooks.scorer.observe_predictions is None:
+            raise ConfigError(
+                f"scorer {type(method.scorer).__name__} requires 'predictions' but defines no "
+                "observe_predictions(scores, obs) hook to receive them"
+            )
+        self._has_passes = self._hooks.scorer.pass_tokens is not None
+        self._wants_pass_weights = "pass_weights" in method.scorer.requires
+        # scores that must agree across tensor-parallel ranks: a decision over all heads of the
+        # layer ("head_shared"), or KV heads every rank holds while their queries are split (MLA)
+        self._head_shared = "head_shared" in method.scorer.provides
+        self._reduce = self.info.tp_size > 1 and (self.info.kv_replicated or self._head_shared)
+
+    def replace_method(self, method) -> None:
+        """Continue with ``method``, a composition whose component states fit this cache's (a
+        benchmark's ablation: the same method with scoring switched off)."""
+        self._use(method)
+
+    @classmethod
+    def restore(cls, method, budget: int, state, info, group):
+        """A ``cls`` engine rebuilt from a saved ``state`` list of ``method`` (marked restored:
+        its model may not be prepared for it, which the first step checks)."""
+        obj = cls.__new__(cls)
+        Engine.__init__(obj, method, budget, info=info, group=group)
+        obj.state = state
+        obj._restored = True
+        return obj
+
     def _check_budget(self, budget) -> int:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ConfigError(f"budget of layer {self.info.layer} must be a positive int, got {budget!r}")
-        reserved = self.method.selector.reserved(budget)
-        if reserved >= budget:
+        if not room_to_evict(self.method.selector, budget):
+            reserved = self.method.selector.reserved(budget)
             raise ConfigError(
                 f"layer {self.info.layer}: budget {budget} leaves no room to evict: the selector "
                 f"always keeps {reserved} tokens (sinks + recent window); use a budget > {reserved} "
@@ -130,23 +155,23 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
             )
         return budget
 
-    def _ensure_rows(self, b: int) -> None:
-        if not self._rows_n:
-            self._rows_n, self._rows_off = [0] * b, [0] * b
-            self._rows_budget, self._rows_evicted = [self._b_default] * b, [0] * b
-        if len(self._rows_pass) != b:
-            self._rows_pass = (self._rows_pass + [0] * b)[:b]
+    def set_row_budgets(self, budgets: list) -> None:
+        """Each row's budget (tokens per KV head), checked; the next steps evict to them."""
+        self._rows.budget = [self._check_budget(int(b)) for b in budgets]
 
-    def _set_budgets(self, budgets: list) -> None:
-        self._rows_budget = [self._check_budget(int(b)) for b in budgets]
+    def set_budget(self, budget: int) -> None:
+        """One budget for every row, and for rows a first step starts."""
+        b = self._check_budget(budget)
+        self._rows.default_budget = b
+        self._rows.budget = [b] * len(self._rows.budget)
 
     def _budget_arg(self):
         """The budget components see: one int, or ``[B, 1, 1]`` when rows differ."""
-        b = self._rows_budget
+        b = self._rows.budget
         return b[0] if len(set(b)) == 1 else self._arr(b)
 
     def _holes(self) -> bool:
-        return any(n != self._n for n in self._rows_n)
+        return any(n != self._n for n in self._rows.held)
 
     def _setup_groups(self, h: int) -> None:
         """KV heads per storage row, from the selector's ``head_group`` hook (1 without it)."""
@@ -175,7 +200,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
 
     def _offset(self) -> mx.array:
         """The offsets as an array, built once per value of the host offsets."""
-        seen = self._seen()
+        seen = self._rows.seen()
         key = tuple(seen)
         if self._off_cache[0] != key:
             self._off_cache = (key, self._arr(seen))
@@ -184,9 +209,9 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
     def _qpos(self, S: int) -> mx.array:
         """``[B, 1, S]`` int32 positions of the last step's tokens."""
         if S == 1:
-            return (self._offset() - 1).reshape(-1, 1, 1) if len(set(self._rows_off)) > 1 else mx.full(
-                (len(self._rows_off), 1, 1), self._rows_off[0] - 1, mx.int32)
-        start = mx.array([o - S for o in self._rows_off], dtype=mx.int32).reshape(-1, 1, 1)
+            return (self._offset() - 1).reshape(-1, 1, 1) if len(set(self._rows.offset)) > 1 else mx.full(
+                (len(self._rows.offset), 1, 1), self._rows.offset[0] - 1, mx.int32)
+        start = mx.array([o - S for o in self._rows.offset], dtype=mx.int32).reshape(-1, 1, 1)
         return start + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
 
     # ----------------------------------------------------------------------------------------
@@ -218,13 +243,13 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
             if self.keys is None:
                 self._store.check_head_dim(keys.shape[-1], values.shape[-1])
             keys, values = self._store.store(keys, "keys"), self._store.store(values, "values")
-        self._ensure_rows(b)
+        self._rows.ensure(b)
         if self._wants_tokens:
             self._step_tokens = tokens
-        valid = self._take_valid(S)
-        need = self._need(valid)
+        valid = self._rows.take_valid(S)
+        need = self._rows.need(valid, g)
         freed = self._evict(need) if any(need) else None
-        if S == 1 and all(self._n - n >= g for n in self._rows_n) and self._n <= max(self._rows_n) + g:
+        if S == 1 and all(self._n - n >= g for n in self._rows.held) and self._n <= max(self._rows.held) + g:
             self._write_into_holes(keys, values, freed, valid)
         else:
             if freed is not None:
@@ -232,11 +257,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
             if self._holes():
                 self._compact()
             self._append(keys, values, valid, S)
-        self._rows_off = [o + S for o in self._rows_off]
-        if self._pad is not None or any(v < S for v in valid):
-            # a right-padded prompt: offsets count the padding until finalize(); components see
-            # the tokens each row really has seen
-            self._pad = [p + S - v for p, v in zip(self._pad or [0] * len(valid), valid)]
+        self._rows.advance(S, valid)  # a right-padded prompt's offsets count its padding until finalize()
         self._pending = (S, valid, None)
         self._last_valid = valid
         self._undo = None
@@ -270,8 +291,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         self.keys, self.values = k, v
         self._written = (k, [])
         self._rounds += 1
-        self._rows_n = [n - c for n, c in zip(self._rows_n, ev.counts)]
-        self._rows_evicted = [t + c for t, c in zip(self._rows_evicted, ev.counts)]
+        self._rows.freed(ev.counts)
         return (ev.evict, ev.real)
 
     def _eviction(self, need: list) -> Eviction:
@@ -280,7 +300,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         counts = [int(count(e)) if e else e for e in need]
         uniform = len(set(counts)) == 1
         k, v = self._float_kv()
-        seen = self._seen()
+        seen = self._rows.seen()
         off, offs, bud = self._offset(), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
         pos, owner = self._positions(), self._owner()
@@ -331,7 +351,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         pos = self._new_positions(valid, 1, b, h)
         self._pos = mx.put_along_axis(self._pos, slot, pos, axis=-1)
         self._score = mx.put_along_axis(self._score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
-        self._rows_n = [n + g * x for n, x in zip(self._rows_n, valid)]
+        self._rows.stored(valid, g)
         self._last_slots = slot
         self._written = (self.keys, self._written[1] + [slot]) if chain else None
 
@@ -346,12 +366,12 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         return self._token_positions(valid, S, b, h)
 
     def _token_positions(self, valid: list, S: int, b: int, h: int) -> mx.array:
-        if S == 1 and all(x == 1 for x in valid) and min(self._rows_off) >= 0:
-            if len(set(self._rows_off)) == 1:
-                return mx.full((b, h, 1), self._rows_off[0], mx.int32)
-            return mx.broadcast_to(mx.array(self._rows_off, dtype=mx.int32).reshape(-1, 1, 1), (b, h, 1))
-        pos = mx.array(self._rows_off, dtype=mx.int32).reshape(-1, 1, 1) + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
-        if any(x < S for x in valid) or any(o < 0 for o in self._rows_off):
+        if S == 1 and all(x == 1 for x in valid) and min(self._rows.offset) >= 0:
+            if len(set(self._rows.offset)) == 1:
+                return mx.full((b, h, 1), self._rows.offset[0], mx.int32)
+            return mx.broadcast_to(mx.array(self._rows.offset, dtype=mx.int32).reshape(-1, 1, 1), (b, h, 1))
+        pos = mx.array(self._rows.offset, dtype=mx.int32).reshape(-1, 1, 1) + mx.arange(S, dtype=mx.int32).reshape(1, 1, S)
+        if any(x < S for x in valid) or any(o < 0 for o in self._rows.offset):
             ok = (mx.arange(S).reshape(1, 1, S) < mx.array(valid, dtype=mx.int32).reshape(-1, 1, 1)) & (pos >= 0)
             pos = mx.where(ok, pos, -1)
         return mx.broadcast_to(pos, (b, h, S))
@@ -359,8 +379,8 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
     def _compact(self) -> None:
         """Move empty slots to the left and drop those every row has; with equal rows, only the
         live slots above the count move into the holes below it (:func:`fill_from_end`)."""
-        t, w, self._written = self._n, max(self._rows_n), None
-        if len(set(self._rows_n)) == 1 and 4 * (t - w) <= t:
+        t, w, self._written = self._n, max(self._rows.held), None
+        if len(set(self._rows.held)) == 1 and 4 * (t - w) <= t:
             dst, src = fill_from_end(self._pos, t - w)
             self.keys, self.values = (put_slots(a, dst, take_slots(a, src)) for a in (self.keys, self.values))
             self._pos, self._score = (
@@ -379,7 +399,7 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         if self.keys is None or prev + S > self.keys.shape[2]:
             need = prev + S
             cap = (need + self.step - 1) // self.step * self.step
-            top = self._g * max(self._rows_budget)
+            top = self._g * max(self._rows.budget)
             cap = min(cap, top) if need <= top else need
             new_k, new_v = zeros_like_rows(keys, b, h, cap - prev), zeros_like_rows(values, b, h, cap - prev)
             if self.keys is None:
@@ -395,6 +415,6 @@ class _Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         self._pos = mx.concatenate([self._pos, self._new_positions(valid, tokens, b, h)], axis=2)
         self._score = mx.concatenate([self._score, mx.zeros((b, h, S), mx.float32)], axis=2)
         self._n = prev + S
-        self._rows_n = [n + self._g * x for n, x in zip(self._rows_n, valid)]
+        self._rows.stored(valid, self._g)
         self._last_slots = None
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import _state, ops
-from .contexts import Observation
-from .errors import KVCompressError
-from .storage import QuantizedSlots, as_float
+from .. import _state, ops
+from ..contexts import Observation
+from ..errors import KVCompressError
+from ..storage import QuantizedSlots, as_float
 
 #: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
 UNDO_TOKENS = 16
@@ -49,7 +49,7 @@ class _AttendMixin:
         attend = self._hooks.disposition.attend
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
-        if sinks is None and self._wants_mass and (self._rounds or self._over_budget()):
+        if sinks is None and self._wants_mass and (self._rounds or self._rows.over_budget()):
             # A compressing step (a chunk, or a decode step once tokens leave): one softmax
             # gives both the output and the scorer's mass. Below budget the cache attends
             # exactly as mlx-lm's KVCache does (its fused attention, in the cache's dtype).
@@ -67,8 +67,8 @@ class _AttendMixin:
         n, g = queries.shape[2], self._g
         bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
         self._attn_keys, self._bias = keys, bias
-        if not any(self._rows_evicted) and not self._holes() and not (
-            n > 1 and self._wants_mass and self._over_budget()
+        if not any(self._rows.evicted) and not self._holes() and not (
+            n > 1 and self._wants_mass and self._rows.over_budget()
         ):
             # nothing evicted yet: every head holds the same tokens in slot order, so un-interleave
             # the row and attend exactly as mlx-lm's KVCache does
@@ -95,9 +95,6 @@ class _AttendMixin:
         )
         self._step_mass = mass
         return out
-
-    def _over_budget(self) -> bool:
-        return any(o > b for o, b in zip(self._rows_off, self._rows_budget))
 
     def _query_weight(self, valid: list, n: int):
         if all(x == n for x in valid):
@@ -160,7 +157,7 @@ class _AttendMixin:
         self._proxy_steps += 1
 
     def _proxy_blocked(self) -> bool:
-        return self._holes() or self._g > 1
+        return self.BATCHED or self._holes() or self._g > 1
 
     def _score_step(self, queries, scale, proxy) -> None:
         S, valid, qpos = self._pending
@@ -176,7 +173,7 @@ class _AttendMixin:
         before = (self._score, self._states["scorer"])
         obs = Observation(
             queries=queries, keys=k, positions=self._positions(), query_positions=qpos, n_new=S, scale=scale,
-            offset=self._offset(), offsets=tuple(self._seen()), layer=self.info,
+            offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias, values=self._float_kv()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
@@ -209,7 +206,7 @@ class _AttendMixin:
         obs = Observation(
             queries=None, keys=self._float_kv()[0], positions=self._positions(),
             query_positions=self._qpos(S) if qpos is None else qpos, n_new=S, scale=scale,
-            offset=self._offset(), offsets=tuple(self._seen()), layer=self.info, n_valid=tuple(valid),
+            offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info, n_valid=tuple(valid),
             state=_state.snapshot(self._states["scorer"]), tokens=self._undo_tokens,
             predictions=predictions, group=self.group, owner=self._owner(), heads_per_row=self._g,
         )
@@ -220,6 +217,11 @@ class _AttendMixin:
         self._undo_predictions = predictions if predictions.steps is not None else False
         if not self._undo[-1]:
             self._plan_next()  # the next eviction, planned on the scores these predictions made
+
+    @property
+    def awaits_reduction(self) -> bool:
+        """Whether this cache's last scores still wait for the cross-rank agreement."""
+        return self._unreduced
 
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when
@@ -239,6 +241,15 @@ class _AttendMixin:
     def wants_layer_io(self) -> bool:
         """Whether the next forward is this prompt's first and the budget wants to see it."""
         return self._wants_io and not self._io_seen and self.keys is None
+
+    def hold_layer_input(self, x) -> None:
+        """The glue hands over the layer's input while the layer runs (``None``: the layer is
+        done); :meth:`take_layer_input` returns it once, to pair it with the attention output."""
+        self._io_input = x
+
+    def take_layer_input(self):
+        x, self._io_input = self._io_input, None
+        return x
 
     def observe_layer_io(self, x: mx.array, out: mx.array) -> None:
         """The layer's input ``x`` and attention output ``out`` ``[B, N, d]`` of the first forward."""
