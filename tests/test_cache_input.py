@@ -56,11 +56,11 @@ def test_bad_input_raises_and_leaves_cache_unchanged(stage, case):
     if stage != "empty":
         assert c.evictions > 0
     before = snapshot(c)
-    pending = c._pending
+    pending = c.pending_step
     with pytest.raises(exc, match=msg):
         c.update_and_fetch(make_k(), make_v())
     assert_same_snapshot(snapshot(c), before)
-    assert c._pending is pending
+    assert c.pending_step is pending
     # and the cache still works afterwards (once the pending step's queries arrive: a cache that
     # scored with real queries never continues with the key-as-query proxy)
     if pending is not None:

@@ -86,17 +86,28 @@ def component_state_arrays(c) -> list:
 
 
 # Host-side bookkeeping arrays of O(B * H) entries the cache keeps between steps (the slot the
-# last single token went into, the cached offset array of a batch cache); not storage.
+# last single token went into: the slots part's ``last``); not storage.
 # transient step bookkeeping (like the queries an undo record keeps): the step's token ids
-_BOOKKEEPING = {"_last_slots", "_off_arr", "_tokens", "_step_tokens", "_undo_tokens"}
+_BOOKKEEPING = {"last", "_tokens", "_step_tokens", "_undo_tokens"}
+
+
+def _own_arrays(obj):
+    """The arrays an engine holds, found by walking it and its parts (objects of
+    ``kvcompress.engine``), bookkeeping left out."""
+    for name, a in vars(obj).items():
+        if name in _BOOKKEEPING:
+            continue
+        if isinstance(a, mx.array) and a.ndim > 0:
+            yield a
+        elif type(a).__module__.startswith("kvcompress.engine."):
+            yield from _own_arrays(a)
 
 
 def assert_nbytes_honest(c) -> None:
     """``nbytes`` == the cache's own buffers (found by walking the object, not its bookkeeping)
     plus the arrays of the component states it holds, and every array those states actually
     hold is among the counted bytes."""
-    own = sum(a.nbytes for k, a in vars(c).items()
-              if isinstance(a, mx.array) and a.ndim > 0 and k not in _BOOKKEEPING)
+    own = sum(a.nbytes for a in _own_arrays(c))
     held = component_state_arrays(c) + [a for st in _states(c) for a in derived_arrays(st)]
     declared = sum(a.nbytes for a in held)  # saved state, and what components derived (not saved)
     assert c.nbytes == own + declared
@@ -361,7 +372,7 @@ def _drive_with_rigged_scores(method, n_sink, recent, budget, rank, steps=30):
         k = mx.random.normal((1, 2, 1, 16), key=mx.random.key(t))
         c.update_and_fetch(k, -k)
         c.observe(mx.random.normal((1, 4, 1, 16), key=mx.random.key(1000 + t)), 0.25)
-        c._score = (rank * c._pos).astype(mx.float32)
+        c.set_slot_scores((rank * c.slot_positions).astype(mx.float32))
         yield t, positions(c)
 
 

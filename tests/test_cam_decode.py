@@ -53,7 +53,7 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
     deep copy it picks the targets and produces the logits of computing every norm afresh."""
     import copy
 
-    from kvcompress.engine import engine as _engine
+    from kvcompress.engine.slots import Slots
 
     model = models["gqa"]
     seen = []
@@ -67,7 +67,7 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
 
     def drive(fresh: bool):
         if fresh:  # the cache never says which slots it wrote: every norm is computed
-            monkeypatch.setattr(_engine.Engine, "_written_slots", lambda self: None)
+            monkeypatch.setattr(Slots, "written_slots", lambda self: None)
         else:
             monkeypatch.undo()
             monkeypatch.setattr(GatedMerge, "_nearest_rows", spy)
@@ -124,7 +124,8 @@ def test_written_slot_record_never_outlives_the_keys_it_describes(models):
 
     def check(caches):
         for c in caches:
-            assert c._written is None or c._written[0] is c.keys
+            written = c.parts.slots.written
+            assert written is None or written[0] is c.keys
 
     def decode(caches, rows, n, seed):
         tok = mx.array(np.random.default_rng(seed).integers(3, 90, (rows, 1)), dtype=mx.int32)
@@ -140,7 +141,7 @@ def test_written_slot_record_never_outlives_the_keys_it_describes(models):
     batch = [BatchCompressedKVCache.merge([s[layer] for s in solo[:2]]) for layer in range(len(solo[0]))]
     check(batch)
     decode(batch, 2, 3, 7)
-    assert any(c._written is not None for c in batch)  # decode steps are recorded
+    assert any(c.parts.slots.written is not None for c in batch)  # decode steps are recorded
     for c, other in zip(batch, solo[2]):
         c.filter([1])
         c.extend(BatchCompressedKVCache.merge([other]))

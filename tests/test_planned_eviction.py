@@ -16,7 +16,7 @@ import pytest
 import kvcompress
 from conftest import tiny_llama
 from kvcompress import ComponentSpec, CompressedKVCache, build_method
-from kvcompress.engine.plan import _PlanMixin
+from kvcompress.engine.plan import PlannedEviction
 
 METHODS = sorted(kvcompress.get_registry().methods)
 PLANNING = [m for m in METHODS if "plan" in build_method(m, budget=16).hooks()["disposition"]]
@@ -78,17 +78,17 @@ def _drive(model, caches, batch: int, tmp_path, seed: int) -> list:
 
 def _compare(model, make, batch, tmp_path, monkeypatch) -> int:
     used = []
-    real_take = _PlanMixin._take_plan
+    real_take = PlannedEviction.take
 
-    def take(self, need):
-        p = real_take(self, need)
+    def take(self, key, need):
+        p = real_take(self, key, need)
         used.append(p is not None)
         return p
 
-    monkeypatch.setattr(_PlanMixin, "_take_plan", take)
+    monkeypatch.setattr(PlannedEviction, "take", take)
     got = _drive(model, make(), batch, tmp_path, seed=1)
     n_used = sum(used)
-    monkeypatch.setattr(_PlanMixin, "_plan_next", lambda self: None)  # dispose at every step
+    monkeypatch.setattr(PlannedEviction, "store", lambda self, *a: None)  # dispose at every step
     want = _drive(model, make(), batch, tmp_path, seed=1)
     assert len(got) == len(want)
     for a, b in zip(got, want):
@@ -111,16 +111,30 @@ def test_planned_cam_merge_in_every_mode(model, mode, tmp_path, monkeypatch):
     _compare(model, lambda: kvcompress.make_prompt_cache(model, "cam", budget=16, **mode), 2, tmp_path, monkeypatch)
 
 
-def test_a_stale_plan_is_never_applied(model, monkeypatch):
+def test_a_stale_plan_is_never_applied(model):
     """After a trim the planned eviction no longer describes the cache: it is dropped."""
     caches = kvcompress.make_prompt_cache(model, "cam", budget=16)
     x = mx.array(np.random.default_rng(2).integers(3, 90, (1, 30)), dtype=mx.int32)
     mx.eval(model(x, cache=caches))
     mx.eval(model(x[:, :1], cache=caches))
-    assert all(c._planned is not None for c in caches)
+    assert all(c.parts.plan.planned is not None for c in caches)
     for c in caches:
         c.trim(1)
-        assert c._take_plan([1]) is None
+        assert c.parts.plan.planned is None
+
+
+def test_a_plan_for_another_state_is_not_taken():
+    """The plan part hands a plan over only for the key (arrays by identity, host facts by
+    value) and the need it was made for."""
+    plan = PlannedEviction()
+    a, b = mx.zeros((2,)), mx.zeros((2,))
+    key = ((a, b), (3, (1, 2)))
+    for other, need in [(((a, mx.zeros((2,))), (3, (1, 2))), [1]), (((a, b), (4, (1, 2))), [1]), (key, [2])]:
+        plan.store(key, [1], "ev", ("p",))
+        assert plan.take(other, need) is None
+        assert plan.planned is None  # dropped either way
+    plan.store(key, [1], "ev", ("p",))
+    assert plan.take(((a, b), (3, (1, 2))), [1]) == ("ev", ("p",))
 
 
 def test_a_decode_step_copies_neither_keys_nor_values():
@@ -150,7 +164,7 @@ def test_a_decode_step_copies_neither_keys_nor_values():
         mx.synchronize()
         peaks.append(mx.get_peak_memory() - before)
         del kk, vv
-    assert c.evictions > 0 and c._planned is not None
+    assert c.evictions > 0 and c.parts.plan.planned is not None
     assert max(peaks[2:]) < c.keys.nbytes, (peaks, c.keys.nbytes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -145,8 +146,10 @@ def test_compressing_chunk_seeds_the_scorer_with_the_fused_mass(monkeypatch):
     tokens = token_ids(40, seed=14)
     fused = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
     plain = kvcompress.make_prompt_cache(model, "h2o", budget=12, recent_ratio=0.0)
-    for c in plain:
-        c._wants_mass = False  # the plain sdpa path: the scorer computes its own mass
+    h2o = type(plain[0].method.scorer)
+    unfused = type("Unfused", (h2o,), {"requires": h2o.requires - {"step_mass"}})
+    for c in plain:  # the plain sdpa path: the scorer computes its own mass
+        c.replace_method(attrs.evolve(c.method, scorer=unfused(**attrs.asdict(c.method.scorer, recurse=False))))
     calls = []
     original = ops.attention
 

@@ -22,19 +22,19 @@ _proxy_warned = False
 class _AttendMixin:
     def step_mask(self, n: int) -> Any:
         """The mask of the step just stored: None / "causal" without empty slots, else bool."""
-        if not self._holes():
+        if not self._slots.holes(self._rows.held):
             return None if n == 1 else "causal"
         if n == 1:
-            return (self._pos >= 0)[:, :, None, :]  # per KV head
+            return (self._slots.pos >= 0)[:, :, None, :]  # per KV head
         # after compaction every row's empty slots are the same in every head
-        return ops.visibility(self._pos[:, :1], self._qpos(n))
+        return ops.visibility(self._slots.pos[:, :1], self._qpos(n))
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """The layer's attention; ``mask`` (the model's) is replaced by the exact slot mask."""
         n = queries.shape[2]
         if self._store.quantized:  # low-bit slots: kvcompress's attention reads the codes
             sdpa = _low_bit_sdpa
-        if self._g > 1:
+        if self._slots.g > 1:
             return self._attend_groups(sdpa, queries, keys, values, scale, mask, sinks)
         own = self.step_mask(n)
         h_q, h = queries.shape[1], keys.shape[1]
@@ -56,7 +56,7 @@ class _AttendMixin:
             _, valid, _ = self._pending
             plain = n == 1 and own is None  # one query seeing every slot: no mask at all
             out, self._step_mass = ops.attention(
-                queries, keys, values, scale, None if plain else self._pos, None if plain else self._qpos(n),
+                queries, keys, values, scale, None if plain else self._slots.pos, None if plain else self._qpos(n),
                 query_weight=self._query_weight(valid, n), mass="group", bias=bias,
             )
             return out
@@ -64,10 +64,10 @@ class _AttendMixin:
 
     def _attend_groups(self, sdpa, queries, keys, values, scale, mask, sinks):
         """Head groups: each query head attends its own KV head's slots of the row."""
-        n, g = queries.shape[2], self._g
+        n, g = queries.shape[2], self._slots.g
         bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
         self._attn_keys, self._bias = keys, bias
-        if not any(self._rows.evicted) and not self._holes() and not (
+        if not any(self._rows.evicted) and not self._slots.holes(self._rows.held) and not (
             n > 1 and self._wants_mass and self._rows.over_budget()
         ):
             # nothing evicted yet: every head holds the same tokens in slot order, so un-interleave
@@ -87,7 +87,7 @@ class _AttendMixin:
         # after an eviction (decode steps too): the exact slot and owner mask in kvcompress's
         # attention (its grouped products beat mlx's masked CPU fallback, which broadcasts the
         # keys over each group's query heads)
-        pos, owner = self._positions(), self._owner()
+        pos, owner = self._slots.positions(), self._slots.owner()
         _, valid, _ = self._pending
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
@@ -113,9 +113,9 @@ class _AttendMixin:
         attention wrapper makes the layer's output depend on them. mlx-lm's decode evaluates only
         the model's output, and below budget nothing in it reads these, so without the tie their
         graph would grow every step, holding each step's keys (memory growing with every token)."""
-        if self._score is None:
+        if self._slots.score is None:
             return []
-        return [self._score, self._pos, *_state.held_arrays(self._states["scorer"]), *self._plan_arrays()]
+        return [self._slots.score, self._slots.pos, *_state.held_arrays(self._states["scorer"]), *self._plan.arrays()]
 
     def _unobserved_step(self) -> None:
         """The model attended without mlx-lm's attention function: score with key-as-query."""
@@ -150,14 +150,14 @@ class _AttendMixin:
             )
         S = self._pending[0]
         k = self.keys_and_values()[0]
-        q = k[..., self._n - S :, :] if self._last_slots is None else mx.take_along_axis(
-            k, self._last_slots[..., None], axis=2
+        q = k[..., self._slots.n - S :, :] if self._slots.last is None else mx.take_along_axis(
+            k, self._slots.last[..., None], axis=2
         )
         self._score_step(q, q.shape[-1] ** -0.5, proxy=True)
         self._proxy_steps += 1
 
     def _proxy_blocked(self) -> bool:
-        return self.BATCHED or self._holes() or self._g > 1
+        return self.BATCHED or self._slots.holes(self._rows.held) or self._slots.g > 1
 
     def _score_step(self, queries, scale, proxy) -> None:
         S, valid, qpos = self._pending
@@ -170,21 +170,21 @@ class _AttendMixin:
         k = as_float(k)
         self._attended = self._attn_keys = self._bias = None
         mass, self._step_mass = self._step_mass, None
-        before = (self._score, self._states["scorer"])
+        before = (self._slots.score, self._states["scorer"])
         obs = Observation(
-            queries=queries, keys=k, positions=self._positions(), query_positions=qpos, n_new=S, scale=scale,
+            queries=queries, keys=k, positions=self._slots.positions(), query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
-            all_visible=S == 1 and not self._holes() and self._g == 1, bias=bias, values=self._float_kv()[1],
+            all_visible=S == 1 and not self._slots.holes(self._rows.held) and self._slots.g == 1, bias=bias, values=self._slots.float_kv()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
-            owner=self._owner(), heads_per_row=self._g,
+            owner=self._slots.owner(), heads_per_row=self._slots.g,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)
-        score = self.method.scorer.observe(self._score, obs)
-        if score.shape[1] != self._pos.shape[1]:  # attention over per-head projections of shared
+        score = self.method.scorer.observe(self._slots.score, obs)
+        if score.shape[1] != self._slots.pos.shape[1]:  # attention over per-head projections of shared
             score = score.mean(axis=1, keepdims=True)  # KV (MLA prefill): the group's mean
-        self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
+        self._slots.score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         self._pending = None
         self._unreduced = self._reduce
@@ -204,19 +204,28 @@ class _AttendMixin:
             self._unobserved_step()
         S, valid, qpos, _, _, scale, _ = self._undo
         obs = Observation(
-            queries=None, keys=self._float_kv()[0], positions=self._positions(),
+            queries=None, keys=self._slots.float_kv()[0], positions=self._slots.positions(),
             query_positions=self._qpos(S) if qpos is None else qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info, n_valid=tuple(valid),
             state=_state.snapshot(self._states["scorer"]), tokens=self._undo_tokens,
-            predictions=predictions, group=self.group, owner=self._owner(), heads_per_row=self._g,
+            predictions=predictions, group=self.group, owner=self._slots.owner(), heads_per_row=self._slots.g,
         )
-        score = self._hooks.scorer.observe_predictions(self._score, obs)
-        self._score = score if score.dtype == mx.float32 else score.astype(mx.float32)
+        score = self._hooks.scorer.observe_predictions(self._slots.score, obs)
+        self._slots.score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
         # False: observed, but too long a step to keep (trim may then only remove all of it)
         self._undo_predictions = predictions if predictions.steps is not None else False
         if not self._undo[-1]:
             self._plan_next()  # the next eviction, planned on the scores these predictions made
+
+    def set_slot_scores(self, scores: mx.array) -> None:
+        """Replace every slot's running score (``[B, H_kv / g, T]``, as ``slot_scores`` reads
+        them): oracle and ablation studies steer the next eviction this way."""
+        now = self._slots.score
+        if now is None or tuple(scores.shape) != tuple(now.shape):
+            raise ValueError(f"scores must have the slots' shape {None if now is None else now.shape}, "
+                             f"got {scores.shape}")
+        self._slots.score = scores.astype(mx.float32)
 
     @property
     def awaits_reduction(self) -> bool:
@@ -226,17 +235,17 @@ class _AttendMixin:
     def reduction(self) -> mx.array:
         """This rank's part of the cross-rank score agreement: the scores (one head's row when
         every head shares them)."""
-        return self._score[:, :1] if self._head_shared and not self.info.kv_replicated else self._score
+        return self._slots.score[:, :1] if self._head_shared and not self.info.kv_replicated else self._slots.score
 
     def set_reduced(self, value: mx.array) -> None:
         """The agreed scores (the mean over ranks of :meth:`reduction`)."""
-        self._score = mx.broadcast_to(value, self._score.shape) if value.shape != self._score.shape else value
+        self._slots.score = mx.broadcast_to(value, self._slots.score.shape) if value.shape != self._slots.score.shape else value
         self._unreduced = False
 
     def _viewed_keys(self) -> mx.array:
         k = self.keys_and_values()[0]
         view = self._hooks.disposition.view_keys
-        return k if view is None else view(self._states["disposition"], k, self._positions(), self._offset())
+        return k if view is None else view(self._states["disposition"], k, self._slots.positions(), self._offset())
 
     def wants_layer_io(self) -> bool:
         """Whether the next forward is this prompt's first and the budget wants to see it."""

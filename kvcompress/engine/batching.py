@@ -2,21 +2,20 @@
 protocol: ``merge`` / ``extract`` / ``filter`` / ``extend``, and a prompt's padding).
 
 Every edit is the same three moves over the parts: the host facts (:class:`Rows`
-``take`` / ``concat``), the slots (each row laid out in a common width, held tokens last and
-empty slots first, then taken or stacked along the batch axis), and the component states
-(their ``take_rows`` / ``stack_rows`` hooks). A row moved this way continues exactly as it would
+``take`` / ``concat``), the slots (:class:`Slots` ``take_rows`` / ``laid_out`` /
+``set_layouts``: each row laid out in a common width, held slots last and empty slots first,
+then stacked along the batch axis), and the component states (their ``take_rows`` /
+``stack_rows`` hooks). A row moved this way continues exactly as it would
 have where it was.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
 
 from .. import _state
 from ..components import KINDS
 from ..errors import ConfigError
 from ..group import join
-from ..storage import concat_slots, contiguous, pad_slots, take_slots, zeros_like_rows
 from .engine import Engine
 from .rows import Rows
 
@@ -34,60 +33,13 @@ def check_same(a, b) -> None:
         )
 
 
-def _layout(e: Engine, width: int):
-    """``(keys, values, positions, scores)`` with every row's slots in ``width`` columns: held
-    tokens last, empty slots first."""
-    t = e._n
-    k, v = e.keys_and_values()
-    pos, score = e._pos, e._score
-    if t > width:
-        ar = mx.arange(t, dtype=mx.int32)
-        order = mx.argsort(mx.where(pos >= 0, ar + t, ar), axis=-1)[..., t - width :]
-        k, v = take_slots(k, order), take_slots(v, order)
-        pos, score = mx.take_along_axis(pos, order, axis=-1), mx.take_along_axis(score, order, axis=-1)
-    elif t < width:
-        pad = [(0, 0), (0, 0), (width - t, 0)]
-        k, v = pad_slots(k, width - t), pad_slots(v, width - t)
-        pos, score = mx.pad(pos, pad, constant_values=-1), mx.pad(score, pad)
-    return k, v, pos, score
-
-
-def _sub_layout(e: Engine, rows: list, width: int):
-    """:func:`_layout` of only ``rows`` of ``e``."""
-    idx = mx.array(rows, dtype=mx.int32)
-    sub = object.__new__(type(e))
-    sub.__dict__.update(e.__dict__)
-    k, v = e.keys_and_values()
-    sub.keys, sub.values, sub._pos, sub._score = k[idx], v[idx], e._pos[idx], e._score[idx]
-    sub._n = e._n
-    return _layout(sub, width)
-
-
-def _empty_layout(like: Engine, b: int, width: int):
-    h = like.keys.shape[1]
-    return (zeros_like_rows(like.keys, b, h, width), zeros_like_rows(like.values, b, h, width),
-            mx.full((b, h, width), -1, mx.int32), mx.zeros((b, h, width), mx.float32))
-
-
 def _layouts(caches: list, width: int) -> list:
     """Every cache's rows laid out in ``width`` columns (empty caches as empty rows)."""
-    like = next((c for c in caches if c.keys is not None), None)
+    like = next((c._slots for c in caches if c.keys is not None), None)
     if like is None:
         return []
-    return [_layout(c, width) if c.keys is not None else _empty_layout(like, max(len(c._rows), 1), width)
+    return [c._slots.laid_out(width) if c.keys is not None else like.empty_layout(max(len(c._rows), 1), width)
             for c in caches]
-
-
-def _set_slots(e: Engine, parts: list, width: int) -> None:
-    e._written = None
-    if parts:
-        k, v, pos, score = zip(*parts)
-        e.keys, e.values = concat_slots(list(k), axis=0), concat_slots(list(v), axis=0)
-        e._pos, e._score = mx.concatenate(pos, axis=0), mx.concatenate(score, axis=0)
-        e._n = width
-    else:
-        e.keys = e.values = e._pos = e._score = None
-        e._n = 0
 
 
 def _take_states(e: Engine, rows: list) -> dict:
@@ -109,14 +61,12 @@ def extract(e: Engine, idx: int, single: type) -> Engine:
     c._rows = e._rows.take([idx])
     c._rows.pad = c._rows.pending = c._rows.right = None
     c._rounds, c._query_steps, c._proxy_steps = e._rounds, e._query_steps, e._proxy_steps
-    c._io_seen, c._g, c._restored = e._io_seen, e._g, e._restored
+    c._io_seen, c._restored = e._io_seen, e._restored
     c._passes, c._pass_seconds = e._passes, e._pass_seconds
     c._states.update(_take_states(e, [idx]))
+    c._slots = e._slots.take_rows([idx])
     if e.keys is not None:
-        n = e._rows.held[idx]
-        k, v, pos, score = _sub_layout(e, [idx], n)
-        c.keys, c.values = contiguous(k), contiguous(v)
-        c._pos, c._score, c._n = mx.contiguous(pos), mx.contiguous(score), n
+        c._slots.compacted_row(e._rows.held[idx])
     return c
 
 
@@ -125,9 +75,9 @@ def filter_rows(e: Engine, rows: list) -> None:
     e._states.update(_take_states(e, rows))
     taken = e._rows.take(rows)
     width = max(taken.held, default=0)
-    parts = [_sub_layout(e, rows, width)] if e.keys is not None else []
+    parts = [e._slots.take_rows(rows).laid_out(width)] if e.keys is not None else []
     e._rows = taken
-    _set_slots(e, parts, width)
+    e._slots.set_layouts(parts, width)
     e._undo = None
 
 
@@ -137,10 +87,10 @@ def extend(e: Engine, other: Engine) -> None:
     caches = [e, other]
     e._states.update(_stack_states(e, caches, empty_as_row=False))
     rows = Rows.concat([c._rows for c in caches], e._rows.default_budget)
-    width = max(e._n, other._n)
+    width = max(e._slots.n, other._slots.n)
     parts = _layouts(caches, width)
     e._rows = rows
-    _set_slots(e, parts, width)
+    e._slots.set_layouts(parts, width)
     e._rounds = max(e._rounds, other._rounds)
     e._passes = max(e._passes, other._passes)
     e._pass_seconds += other._pass_seconds
@@ -155,15 +105,15 @@ def merge(batch: type, caches: list) -> Engine:
     key = "merge:" + ",".join(c.group.id for c in caches)
     out = batch(first.method, first._rows.default_budget, [], info=first.info, group=join(key, first.info.layer))
     out._states.update(_stack_states(first, caches, empty_as_row=True))
-    width = max(c._n for c in caches)
+    width = max(c._slots.n for c in caches)
     out._rows = Rows.concat([c._rows for c in caches], first._rows.default_budget, empty_as_row=True)
-    _set_slots(out, _layouts(caches, width), width)
+    out._slots.g = max(c._slots.g for c in caches)
+    out._slots.set_layouts(_layouts(caches, width), width)
     out._rounds = max(c._rounds for c in caches)
     out._query_steps = sum(c._query_steps for c in caches)
     out._proxy_steps = sum(c._proxy_steps for c in caches)
     out._io_seen = all(c._io_seen for c in caches)
     out._restored = any(c._restored for c in caches)
-    out._g = max(c._g for c in caches)
     out._passes = max(c._passes for c in caches)  # each row's own count is in Rows.passed
     out._pass_seconds = sum(c._pass_seconds for c in caches)
     return out

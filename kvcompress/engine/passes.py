@@ -53,7 +53,7 @@ class PassView:
         qpos = off + mx.arange(m, dtype=mx.int32).reshape(1, 1, m)
         self._qpos = mx.where((ids >= 0)[:, None, :] & (qpos >= 0), qpos, -1)  # [B, 1, M]
         self._weight = (self._qpos >= 0).astype(mx.float32)
-        self._t = 0 if cache.keys is None else cache._n
+        self._t = 0 if cache.keys is None else cache._slots.n
         self._pos = self._keys = self._bias = self._weights = self._out = None
         # what models read from a cache (pipeline models chain their last cache's keys to the
         # output with mx.depends): the view's own reference, so the real cache is never written
@@ -77,7 +77,7 @@ class PassView:
             return keys, values
         # a pass is a whole-context forward: low-bit slots are read dequantized, like a chunk's
         v, k = as_float(c.keys_and_values()[1]), as_float(c._viewed_keys())
-        self._pos = mx.concatenate([c._pos, new_pos], axis=2)
+        self._pos = mx.concatenate([c._slots.pos, new_pos], axis=2)
         return mx.concatenate([k, keys.astype(k.dtype)], axis=2), mx.concatenate([v, values.astype(v.dtype)], axis=2)
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
@@ -101,7 +101,7 @@ class PassView:
         b, h = self._pos.shape[:2]
         scores = mx.zeros((b, h, self._pos.shape[-1]), mx.float32)
         if self._t:
-            scores = mx.concatenate([c._score, scores[..., self._t :]], axis=-1)
+            scores = mx.concatenate([c._slots.score, scores[..., self._t :]], axis=-1)
         obs = Observation(
             queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
             n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._rows.seen()), layer=c.info,
@@ -113,13 +113,13 @@ class PassView:
             new = new.mean(axis=1, keepdims=True)
         if self._t:
             new = new[..., : self._t]
-            c._score = new if new.dtype == mx.float32 else new.astype(mx.float32)
+            c._slots.score = new if new.dtype == mx.float32 else new.astype(mx.float32)
         c._states["scorer"] = obs.state
         c._unreduced = c._reduce
         if self._weights is not None:
             # the probabilities [B, H, G, N, T] are consumed now, in this layer: a lazy pass would
             # keep every layer's alive until the whole call is evaluated
-            mx.async_eval(c._score, self._out)
+            mx.async_eval(c._slots.score, self._out)
             self._weights = self._out = None
 
 
@@ -165,7 +165,7 @@ def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
         out = call(mx.maximum(ids, 0), views)
         # Only the layers' scores are needed: the final norm and the vocabulary projection stay
         # unevaluated, unless the ranks of a sharded model must meet in the whole call's collectives.
-        mx.eval(out if _sharded() else [], [c._score for c in engines if c._score is not None],
+        mx.eval(out if _sharded() else [], [c._slots.score for c in engines if c._slots.score is not None],
                 [_state.flatten_state(c._states["scorer"])[1] for c in engines])
         dt = time.perf_counter() - t0
         per_row = (ids >= 0).sum(axis=1).tolist()

@@ -25,65 +25,70 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..storage import as_float
+
+
+class PlannedEviction:
+    """The part that holds at most one eviction planned for the next single-token step:
+    ``planned = (key, need, eviction, plan)``, used only if the engine's key (what an eviction is
+    built from) and the need are still the same when that step comes."""
+
+    def __init__(self):
+        self.planned: Optional[tuple] = None
+
+    def store(self, key: tuple, need: list, ev, plan) -> None:
+        self.planned = (key, need, ev, plan)
+
+    def clear(self) -> None:
+        self.planned = None
+
+    def take(self, key: tuple, need: list) -> Optional[tuple]:
+        """``(ev, plan)`` if planned for exactly this ``need`` and ``key`` (arrays by identity,
+        host facts by value), else None; the plan is dropped either way."""
+        p, self.planned = self.planned, None
+        if p is None or p[1] != need:
+            return None
+        if any(a is not b for a, b in zip(p[0][0], key[0])) or p[0][1] != key[1]:
+            return None
+        return p[2], p[3]
+
+    def arrays(self) -> list:
+        """The planned eviction's arrays (evaluated with the step that planned it)."""
+        if self.planned is None:
+            return []
+        ev, plan = self.planned[2], self.planned[3]
+        return [ev.evict, *(a for a in plan if isinstance(a, mx.array))]
+
+    def __deepcopy__(self, memo) -> "PlannedEviction":
+        return PlannedEviction()  # a copy plans its own next eviction
 
 
 class _PlanMixin:
-    _planned: Optional[tuple] = None
 
     def _plan_key(self) -> tuple:
         """What an eviction is built from: the arrays (by identity: every change makes new
         ones) and the host bookkeeping (by value)."""
         return (
-            (self.keys, self.values, self._pos, self._score, self._states["selector"],
-             self._states["disposition"], self._written),
-            (self._n, self._g, self._rounds, tuple(self._rows.offset), tuple(self._rows.held),
+            (self.keys, self.values, self._slots.pos, self._slots.score, self._states["selector"],
+             self._states["disposition"], self._slots.written),
+            (self._slots.n, self._slots.g, self._rounds, tuple(self._rows.offset), tuple(self._rows.held),
              tuple(self._rows.budget), tuple(self._rows.pad or ())),
         )
 
     def _plan_next(self) -> None:
         """After a step is observed: plan the next single-token step's eviction, if it needs one
         and the disposition plans."""
-        self._planned = None
+        self._plan.clear()
         plan_hook = self._hooks.disposition.plan
         if plan_hook is None or self._reduce or self.group.rebudget_pending or self._rows.pending is not None:
             return
-        need = self._rows.need([1] * len(self._rows), self._g)
+        need = self._rows.need([1] * len(self._rows), self._slots.g)
         if not any(need):
             return
         ev = self._eviction(need)
         plan = plan_hook(ev)
         if plan is not None:
-            self._planned = (self._plan_key(), need, ev, plan)
+            self._plan.store(self._plan_key(), need, ev, plan)
 
     def _take_plan(self, need: list) -> Optional[tuple]:
         """``(ev, plan)`` planned for exactly this eviction of this state, else None."""
-        p, self._planned = self._planned, None
-        if p is None or p[1] != need:
-            return None
-        key = self._plan_key()
-        if any(a is not b for a, b in zip(p[0][0], key[0])) or p[0][1] != key[1]:
-            return None
-        return p[2], p[3]
-
-    def _plan_arrays(self) -> list:
-        """The planned eviction's arrays (evaluated with the step that planned it)."""
-        if self._planned is None:
-            return []
-        ev, plan = self._planned[2], self._planned[3]
-        return [ev.evict, *(a for a in plan if isinstance(a, mx.array))]
-
-    def _float_kv(self) -> tuple:
-        """The stored keys and values as components see them (low-bit slots lazily dequantized:
-        only what a component reads is computed)."""
-        k, v = self.keys_and_values()
-        return as_float(k), as_float(v)
-
-    def _written_slots(self):
-        """The slots written since the last eviction, if those are all that changed (else None)."""
-        w = self._written
-        if w is None or w[0] is not self.keys:
-            return None
-        if len(w[1]) == 1:
-            return w[1][0]
-        return mx.concatenate(w[1], axis=-1) if w[1] else mx.zeros(self._pos.shape[:2] + (0,), mx.int32)
+        return self._plan.take(self._plan_key(), need)

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import mlx.core as mx
 
 from .. import _state
 from ..components import KINDS
+
+
+@attrs.frozen
+class Parts:
+    """An engine's parts: ``rows`` (:class:`~kvcompress.engine.rows.Rows`), ``slots``
+    (:class:`~kvcompress.engine.slots.Slots`), ``plan``
+    (:class:`~kvcompress.engine.plan.PlannedEviction`)."""
+
+    rows: object
+    slots: object
+    plan: object
 
 
 class _ViewMixin:
@@ -16,23 +28,36 @@ class _ViewMixin:
     def slot_positions(self) -> Optional[mx.array]:
         """``[B, H, T]`` int32: the token position each stored slot holds (-1: empty), in
         storage order (None before the first step)."""
-        return None if self._pos is None else self._positions()
+        return None if self._slots.pos is None else self._slots.positions()
 
     @property
     def slot_owners(self) -> Optional[mx.array]:
         """``[B, H, T]`` int32: with head groups, the head of its row each slot belongs to (-1:
         empty); None without head groups."""
-        return None if self._pos is None else self._owner()
+        return None if self._slots.pos is None else self._slots.owner()
 
     @property
     def slot_scores(self) -> Optional[mx.array]:
         """``[B, H, T]`` float32: each stored slot's score, in storage order."""
-        return self._score
+        return self._slots.score
+
+    @property
+    def parts(self) -> Parts:
+        """The engine's parts -- per-row host facts (``rows``), the stored slots (``slots``), the
+        planned eviction (``plan``) -- for inspection by tests and tools; change a cache only
+        through its methods."""
+        return Parts(self._rows, self._slots, self._plan)
+
+    @property
+    def pending_step(self) -> Optional[tuple]:
+        """The stored step whose queries are not observed yet: ``(S, real tokens per row, query
+        positions)``, or None (the next step then scores it with its keys as queries)."""
+        return self._pending
 
     @property
     def heads_per_row(self) -> int:
         """KV heads that share one storage row (the selector's ``head_group``; 1 without)."""
-        return max(self._g, 1)
+        return max(self._slots.g, 1)
 
     @property
     def rows_held(self) -> list:
@@ -57,7 +82,7 @@ class _ViewMixin:
     @property
     def slot_width(self) -> int:
         """Slots stored per row, empty ones included (the width attention reads)."""
-        return self._n
+        return self._slots.n
 
     def offset_array(self) -> mx.array:
         """Tokens each row has been given, ``[B]`` int32 (built once per value)."""
@@ -70,7 +95,7 @@ class _ViewMixin:
         """Tokens per KV head the widest row holds before appending a step of ``S`` tokens, after
         that step's eviction: the step's own rule (:meth:`Rows.need`, head groups and the
         selector's chunk rounding included), for masks built ahead of the step."""
-        return self._rows.held_after(S, max(self._g, 1), self._hooks.selector.evict_count)
+        return self._rows.held_after(S, max(self._slots.g, 1), self._hooks.selector.evict_count)
 
     def hand_tokens(self, ids: Optional[mx.array]) -> None:
         """The next step's input token ids ``[B, S]`` int32, as the model hook hands them over
@@ -80,7 +105,7 @@ class _ViewMixin:
 
     def size(self) -> int:
         """Tokens held per KV head (the widest row; with head groups, slots / heads per row)."""
-        return -(-self._n // self._g) if self._g > 1 else self._n
+        return -(-self._slots.n // self._slots.g) if self._slots.g > 1 else self._slots.n
 
     def empty(self) -> bool:
         return self.keys is None
@@ -92,11 +117,11 @@ class _ViewMixin:
         each head's slots are gathered out of its row, in slot order, ``W`` the most any head holds;
         a head holding fewer is padded with position -1 (a host sync: for inspection, not decode).
         """
-        k, v = self._float_kv()
-        if self._g <= 1:
-            return k, v, self._pos, self._score
-        g, t = self._g, self._pos.shape[-1]
-        owner = self._owner()
+        k, v = self._slots.float_kv()
+        if self._slots.g <= 1:
+            return k, v, self._slots.pos, self._slots.score
+        g, t = self._slots.g, self._slots.pos.shape[-1]
+        owner = self._slots.owner()
         own = mx.where(owner >= 0, owner, g)
         order = mx.argsort(own * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
         counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
@@ -115,7 +140,7 @@ class _ViewMixin:
             got = mx.take_along_axis(a, slot[..., None], axis=2).reshape(b, r, g, w, -1)
             return mx.where(ok[..., None], got, 0).reshape(b, r * g, w, -1).astype(a.dtype)
 
-        return take_rows(k), take_rows(v), take(self._positions(), -1), take(self._score, 0.0)
+        return take_rows(k), take_rows(v), take(self._slots.positions(), -1), take(self._slots.score, 0.0)
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +149,7 @@ class _ViewMixin:
                     for a in _state.flatten_state(st)[1] + _state.derived_arrays(st))
         if self.keys is None:
             return extra
-        return self.keys.nbytes + self.values.nbytes + self._pos.nbytes + self._score.nbytes + extra
+        return self.keys.nbytes + self.values.nbytes + self._slots.pos.nbytes + self._slots.score.nbytes + extra
 
     @property
     def score_source(self) -> str:
@@ -146,7 +171,7 @@ class _ViewMixin:
         if self.keys is None:
             return 0
         _, rows, _, dk = self.keys.shape
-        h = rows * max(self._g, 1)  # head groups store g KV heads per row
+        h = rows * max(self._slots.g, 1)  # head groups store g KV heads per row
         dv = self.values.shape[-1]
         per_token = h * (dk * self.keys.dtype.size + dv * self.values.dtype.size)
         step = 256
@@ -157,7 +182,7 @@ class _ViewMixin:
         """What the cache did: budget, tokens seen and kept, evictions (per row, per KV head),
         the compression in tokens and in bytes, where scores came from, plus each component's
         own figures (e.g. merges)."""
-        g = max(self._g, 1)
+        g = max(self._slots.g, 1)
         kept = [_per_head(n, g) for n in self._rows.held or [0]]
         seen = self._rows.offset or [0]
         held = self.nbytes
@@ -191,13 +216,13 @@ class _ViewMixin:
     @property
     def tokens_kept(self):
         """Tokens currently held per row and KV head (the mean over a head group's heads)."""
-        g = max(self._g, 1)
+        g = max(self._slots.g, 1)
         return self._rowwise([_per_head(n, g) for n in self._rows.held or [0]])
 
     @property
     def evictions(self):
         """Tokens evicted so far (per row, per KV head)."""
-        g = max(self._g, 1)
+        g = max(self._slots.g, 1)
         return self._rowwise([_per_head(e, g) for e in self._rows.evicted or [0]])
 
 

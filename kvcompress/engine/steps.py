@@ -11,6 +11,7 @@ import mlx.core as mx
 from .. import _state
 from ..errors import ConfigError, KVCompressError
 from .rows import Rows
+from .slots import Slots
 from ..storage import dtype_name, from_state, to_state
 
 STATE_VERSION = 2
@@ -73,7 +74,7 @@ class _StateMixin:
         if self._rows.held and keys.shape[0] != len(self._rows.held):
             raise ValueError(f"keys have {keys.shape[0]} rows but the cache holds {len(self._rows.held)}")
         if self.keys is not None:
-            if keys.shape[1] != self.keys.shape[1] * max(self._g, 1) or keys.shape[3] != self.keys.shape[3] or (
+            if keys.shape[1] != self.keys.shape[1] * max(self._slots.g, 1) or keys.shape[3] != self.keys.shape[3] or (
                 values.shape[3] != self.values.shape[3]
             ):
                 raise ValueError(
@@ -118,14 +119,9 @@ class _StateMixin:
             )
         S, valid, qpos, (scores, sstate), queries, scale, proxy = self._undo
         keep = S - n
-        if self._last_slots is not None:  # a single token written into a freed slot
-            self._pos = mx.put_along_axis(self._pos, self._last_slots, mx.full(self._last_slots.shape, -1, mx.int32), axis=-1)
-            self._score = scores
-        else:
-            self._n -= n * self._g
-            self._pos = self._pos[..., : self._n]
-            self._score = scores[..., : self._n]
-        self._rows.rewind(n, self._g)
+        self._plan.clear()  # planned for a cache that no longer exists
+        self._slots.drop_last(n * self._slots.g, scores)
+        self._rows.rewind(n, self._slots.g)
         self._states["scorer"] = sstate
         self._undo = None
         if not keep:  # the whole step leaves: so does its observation
@@ -158,8 +154,8 @@ class _StateMixin:
             "info": attrs.asdict(self.info),
             "budget": self._rows.default_budget,
             "group": self.group.id,
-            "n": self._n,
-            "g": self._g,
+            "n": self._slots.n,
+            "g": self._slots.g,
             **self._rows.to_meta(),
             "rounds": self._rounds,
             "query_steps": self._query_steps,
@@ -182,7 +178,7 @@ class _StateMixin:
         if self.keys is None:
             return [*extra, text]
         k, v = self.keys_and_values()
-        return [*extra, to_state(k), to_state(v), self._pos, self._score, text]
+        return [*extra, to_state(k), to_state(v), self._slots.pos, self._slots.score, text]
 
     @state.setter
     def state(self, v):
@@ -198,17 +194,15 @@ class _StateMixin:
             comp = self.method.component(kind)
             self._states[kind] = _state.restore_state(comp, m["components"][kind], extra[i : i + k])
             i += k
-        self._written = None  # (nothing is known about what changed since an eviction)
+        slots = self._slots = Slots()  # (nothing is known about what changed since an eviction)
         if arrays:
             k, v, pos, score = arrays
             st, dtype = self._store, m.get("kv_dtype")
-            self.keys = from_state(k, st.k_bits, st.group_size, dtype)
-            self.values = from_state(v, st.v_bits, st.group_size, dtype)
-            self._pos, self._score = pos.astype(mx.int32), score.astype(mx.float32)
-        else:
-            self.keys = self.values = self._pos = self._score = None
-        self._n = int(m["n"])
-        self._g = int(m.get("g", 0))
+            slots.keys = from_state(k, st.k_bits, st.group_size, dtype)
+            slots.values = from_state(v, st.v_bits, st.group_size, dtype)
+            slots.pos, slots.score = pos.astype(mx.int32), score.astype(mx.float32)
+        slots.n = int(m["n"])
+        slots.g = int(m.get("g", 0))
         self._rounds = int(m["rounds"])
         self._query_steps, self._proxy_steps = int(m["query_steps"]), int(m["proxy_steps"])
         self._unreduced = bool(m.get("unreduced", False)) and self._reduce
@@ -241,7 +235,7 @@ class _StateMixin:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in self.__dict__.items():
-            new.__dict__[name] = None if name == "_planned" else copy.deepcopy(value, memo)
+            new.__dict__[name] = copy.deepcopy(value, memo)
         new.group.add(new.info.layer, new)
         return new
 
