@@ -113,6 +113,31 @@ class Predictions:
         last = (mx.take_along_axis(z, last_i, axis=1) - mx.take_along_axis(lse, last_i, axis=1))[:, 0]
         return cls(surprisal, last, (z - lse) if n <= KEEP_STEPS else None)
 
+    @classmethod
+    def from_head(cls, tokens: mx.array, hidden: mx.array, head, n_valid: tuple, block: int = 128) -> "Predictions":
+        """:meth:`from_logits` of ``logits = head(hidden)`` (``hidden`` ``[B, N, d]``, the
+        model's output projection ``head``), ``block`` positions at a time: a long call never
+        holds its ``[B, N, V]`` logits at once (for calls longer than :data:`KEEP_STEPS`). Each
+        block is evaluated before the next is built (MLX allocates an op's output when it
+        dispatches it: a lazy graph of blocks would hold every block's logits at once), which
+        evaluates the call's forward here; a prefill chunk is evaluated right after anyway."""
+        b, n = tokens.shape
+        nxt_ids = mx.maximum(tokens[:, 1:], 0).astype(mx.int32)[..., None]  # [B, N - 1, 1]
+        parts = [mx.full((b, 1), mx.nan, mx.float32)]
+        for i0 in range(0, n - 1, block):
+            i1 = min(i0 + block, n - 1)
+            z = head(hidden[:, i0:i1]).astype(mx.float32)  # predictions after tokens i0 .. i1 - 1
+            lse = mx.logsumexp(z, axis=-1)
+            parts.append(lse - mx.take_along_axis(z, nxt_ids[:, i0:i1], axis=-1)[..., 0])
+            try:
+                mx.eval(parts[-1])
+            except ValueError:  # inside mx.compile: the blocks stay one lazy graph (same values)
+                pass
+        surprisal = mx.concatenate(parts, axis=1)
+        last_i = mx.array([max(v - 1, 0) for v in n_valid], dtype=mx.int32).reshape(-1, 1, 1)
+        z = head(mx.take_along_axis(hidden, last_i, axis=1)).astype(mx.float32)[:, 0]  # [B, V]
+        return cls(surprisal, z - mx.logsumexp(z, axis=-1, keepdims=True), None)
+
     def truncated(self, keep: int) -> "Predictions":
         """The predictions of the call's first ``keep`` tokens (every row real; needs ``steps``)."""
         if self.steps is None:

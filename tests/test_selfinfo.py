@@ -189,3 +189,62 @@ def test_predictions_share_one_computation_across_layers():
     ids, lp = p.top(4)
     assert p.top(4)[0] is ids and ids.shape == (1, 4)
     assert sorted(np.array(ids)[0].tolist()) == sorted(np.argsort(-np.array(p.last)[0])[:4].tolist())
+
+
+def test_predictions_from_the_head_in_blocks_equal_the_logits_ones():
+    rng = np.random.default_rng(3)
+    hidden = mx.array(rng.standard_normal((2, 45, 8)).astype(np.float32))
+    w = mx.array(rng.standard_normal((8, 13)).astype(np.float32))
+    tok = mx.array(rng.integers(0, 13, (2, 45)), dtype=mx.int32)
+    a = Predictions.from_logits(tok, hidden @ w, (45, 30))
+    b = Predictions.from_head(tok, hidden, lambda h: h @ w, (45, 30), block=16)
+    assert np.allclose(np.array(a.surprisal), np.array(b.surprisal), atol=1e-5, equal_nan=True)
+    assert np.allclose(np.array(a.last), np.array(b.last), atol=1e-5)
+
+
+def test_a_long_calls_predictions_never_hold_its_logits_at_once():
+    """A 512-token call over a 4096-word vocabulary: 8 MB of logits; in blocks of 128, a quarter."""
+    rng = np.random.default_rng(4)
+    hidden = mx.array(rng.standard_normal((1, 512, 32)).astype(np.float32))
+    w = mx.array(rng.standard_normal((32, 4096)).astype(np.float32))
+    tok = mx.array(rng.integers(0, 4096, (1, 512)), dtype=mx.int32)
+    mx.eval(hidden, w, tok)
+    peaks = []
+    for make in (lambda: Predictions.from_logits(tok, hidden @ w, (512,)),
+                 lambda: Predictions.from_head(tok, hidden, lambda h: h @ w, (512,))):
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        p = make()
+        mx.eval(p.surprisal, p.last)
+        peaks.append(mx.get_peak_memory() - base)
+    logits_bytes = 512 * 4096 * 4
+    assert peaks[0] >= logits_bytes and peaks[1] < logits_bytes / 2, peaks
+
+
+class _Halved:
+    """A model whose output is its head's logits halved (as soft-capping or a logit scale would
+    change them): the hook must score from what the model returned."""
+
+
+@pytest.mark.parametrize("kind", ["tied", "lm_head", "halved"])
+def test_long_calls_score_from_the_head_only_when_the_model_returns_its_output(kind, monkeypatch):
+    from mlx_lm.models import llama
+
+    model = tiny_llama(n_layers=2)
+    if kind == "lm_head":
+        model.args.tie_word_embeddings = False
+        model.lm_head = llama.nn.Linear(64, 97, bias=False)
+    if kind == "halved":
+        cls = type(model)
+        model.__class__ = type("Halved", (_Halved, cls), {"__call__": lambda self, *a, **k: cls.__call__(self, *a, **k) * 0.5})
+    ids = _ids(40, seed=5)
+    ref = _surprisal(model, ids)
+    used = []
+    real = Predictions.from_head.__func__
+    monkeypatch.setattr(Predictions, "from_head", classmethod(lambda cls, *a, **k: used.append(1) or real(cls, *a, **k)))
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=97)
+    for at, n in ((0, 24), (24, 16)):  # a long call (head path) and a short one (logits)
+        mx.eval(model(ids[:, at : at + n], cache=cache))
+    _check_scores(cache, ref)
+    assert len(used) == (0 if kind == "halved" else 1)

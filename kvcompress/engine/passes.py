@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .. import _state, ops
-from ..contexts import Observation, Predictions
+from ..contexts import KEEP_STEPS, Observation, Predictions
 from ..errors import KVCompressError
 from ..storage import as_float
 
@@ -193,10 +193,23 @@ def before_call(call: Callable[[mx.array, list], Any], cache_list, inputs) -> No
         c.hand_tokens(tok)
 
 
-def after_call(cache_list, logits) -> None:
+def wants_head(cache_list) -> bool:
+    """Whether a model call with ``cache_list`` should record its output projection's input: a
+    cache's scorer requires ``"predictions"`` and the call is longer than :data:`KEEP_STEPS`
+    (its predictions are then projected a block of positions at a time)."""
+    if not isinstance(cache_list, (list, tuple)):
+        return False
+    engines = [c for c in _engines(cache_list) if c._wants_predictions]
+    tok = engines[0]._tokens if engines else None
+    return tok is not None and tok.ndim == 2 and tok.shape[1] > KEEP_STEPS
+
+
+def after_call(cache_list, logits, head=None) -> None:
     """What the model hook does after a model call: hand the model's next-token predictions
     (:class:`~kvcompress.Predictions`, computed once) to the caches whose scorer requires
-    ``"predictions"``, before the next call can evict the call's tokens."""
+    ``"predictions"``, before the next call can evict the call's tokens. ``head``:
+    ``(hidden [B, N, d], project)`` when ``logits`` is exactly ``project(hidden)``: a long
+    call's predictions are then projected in blocks (:meth:`Predictions.from_head`)."""
     if not isinstance(cache_list, (list, tuple)):
         return
     engines = [c for c in _engines(cache_list) if c._wants_predictions]
@@ -211,6 +224,9 @@ def after_call(cache_list, logits) -> None:
             f"model call returned {shape!r} where logits [B, N, vocab] for its {None if tok is None else tuple(tok.shape)} "
             "input ids were expected; this model cannot use this method"
         )
-    pred = Predictions.from_logits(tok, logits, tuple(first._last_valid))
+    if head is not None and tok.shape[1] > KEEP_STEPS:
+        pred = Predictions.from_head(tok, head[0], head[1], tuple(first._last_valid))
+    else:
+        pred = Predictions.from_logits(tok, logits, tuple(first._last_valid))
     for c in engines:
         c.observe_predictions(pred)

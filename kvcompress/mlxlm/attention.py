@@ -31,9 +31,10 @@ import mlx.nn as nn
 
 from ..engine import Engine
 from ..engine.engine import before_update
-from ..engine.passes import PassView, after_call, before_call
+from ..engine.passes import PassView, after_call, before_call, wants_head
 from . import entry_points
 from ._hooks import base_class, install_layer_io, subclass
+from .head import capture, install_head_capture
 from .fit import prepare_call
 
 __all__ = ["install", "is_installed", "ensure_wrapped", "install_layer_io", "install_model_hook", "base_class"]
@@ -135,8 +136,15 @@ def _model_call(base, model, args, kwargs):
         prepare_call(model, cache)  # a list made for another model is refused before anything changes
         inputs = args[0] if args else kwargs.get("inputs")
         before_call(lambda ids, views: base.__call__(model, ids, cache=views), cache, inputs)
-        out = base.__call__(model, *args, **kwargs)
-        after_call(cache, out)
+        if not wants_head(cache):
+            out = base.__call__(model, *args, **kwargs)
+            after_call(cache, out)
+            return out
+        with capture() as seen:
+            out = base.__call__(model, *args, **kwargs)
+        # the head's input, if the model returned exactly what its head made
+        head = seen[-1][:2] if len(seen) == 1 and seen[0][2] is out else None
+        after_call(cache, out, head)
         return out
     return base.__call__(model, *args, **kwargs)
 
@@ -150,6 +158,7 @@ def install_model_hook(model: nn.Module) -> None:
     if not callable(getattr(type(model), "__call__", None)):
         return
     model.__class__ = subclass(base_class(model), _model_call)
+    install_head_capture(model)
 
 
 # the engine runs this before every update (it imports no mlx-lm glue itself): a cache loaded in a
