@@ -212,8 +212,11 @@ def _qa(d: Draw, n_facts: int = 5):
     plants, qs = [], []
     for j, f in enumerate(frames):
         fact, question, prefix, slot = _FACTS[int(f)]
-        v = {"p": d.person(), "t": d.invented(), "y": d.year(),
-             "s": d.invented(), "n": str(d.rng.choice(_PETS))}
+        while True:  # an answer that is part of its own question (a town inside a name) is drawn again
+            v = {"p": d.person(), "t": d.invented(), "y": d.year(),
+                 "s": d.invented(), "n": str(d.rng.choice(_PETS))}
+            if v[slot] not in question.format(**v) + prefix.format(**v):
+                break
         plants.append(Plant("qa", fact.format(**v), d.depth()))
         qs.append(Question("qa", question.format(**v), prefix.format(**v), (v[slot],), 10, (j,)))
     return plants, qs
