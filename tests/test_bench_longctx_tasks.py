@@ -186,10 +186,6 @@ def test_real_tokenizer_episodes_have_the_length_and_the_facts(length):
 def test_no_question_contains_its_own_answer():
     """An invented answer can be part of its own question (a town inside a person's name, a pet
     name inside an owner's): such draws are redrawn (seeds 27, 129, 557 ... did it before)."""
-    import numpy as np
-
-    from kvcompress.bench.longctx_tasks import task_plants
-
     for seed in range(2000):
         _, qs = task_plants(["qa"], np.random.default_rng(seed))
         for q in qs:
