@@ -34,6 +34,7 @@ from .. import _state, ops
 from ..contexts import KEEP_STEPS, Observation, Predictions
 from ..errors import KVCompressError
 from ..storage import as_float
+from .engine import Engine
 
 __all__ = ["PassView", "before_call", "after_call", "MAX_PASSES"]
 
@@ -128,15 +129,11 @@ def _sharded() -> bool:
 
 
 def _engines(cache_list) -> list:
-    from .engine import Engine
-
     return [c for c in cache_list if isinstance(c, Engine)]
 
 
 def run_passes(call: Callable[[mx.array, list], Any], cache_list: list) -> int:
     """Run every scoring pass the caches' scorer asks for; returns how many ran."""
-    from .engine import Engine
-
     engines = _engines(cache_list)
     asker = next((c for c in engines if c._has_passes), None)
     if asker is None or asker.keys is None:
@@ -199,8 +196,8 @@ def wants_head(cache_list) -> bool:
     (its predictions are then projected a block of positions at a time)."""
     if not isinstance(cache_list, (list, tuple)):
         return False
-    engines = [c for c in _engines(cache_list) if c._wants_predictions]
-    tok = engines[0]._tokens if engines else None
+    first = next((c for c in _engines(cache_list) if c._wants_predictions), None)
+    tok = None if first is None else first._tokens
     return tok is not None and tok.ndim == 2 and tok.shape[1] > KEEP_STEPS
 
 

@@ -18,13 +18,12 @@ import contextvars
 
 import mlx.nn as nn
 
-from ._hooks import base_class, subclass
+from ._hooks import _BASE, base_class, subclass
 
 __all__ = ["install_head_capture", "capture"]
 
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("kvcompress_head_capture", default=None)
 _TIED: dict = {}
-_BASE = "_kvcompress_io_base"  # (the same marker as _hooks.subclass: base_class looks through both)
 
 
 def _record(hidden, project, out) -> None:
