@@ -87,12 +87,14 @@ def build_method(
         raise ConfigError(f"expected a method name, dict or MethodConfig, got {type(config).__name__}")
 
     flat: dict[str, Any] = {}
+    defaults: set = set()  # the named method's own defaults: dropped where a swapped component lacks them
     names: dict[str, str] = {}
     label = config.method or "custom"
     if config.method is not None:
         spec = reg.method(config.method)
         names = {k: getattr(spec, k) for k in KINDS}
         flat.update(spec.params)
+        defaults = set(spec.params)
     for kind in KINDS:
         c = config.component(kind)
         if c is not None and c.name:  # a table without a name keeps the method's component
@@ -114,6 +116,7 @@ def build_method(
         )
     specs = {k: reg.component(k, names[k]) for k in KINDS}
     flat.update(config.params)
+    defaults -= set(config.params)
     held = {**config.storage, **{k: flat.pop(k) for k in _STORAGE if k in flat}, **held}
     unknown = sorted(set(held) - set(_STORAGE))
     if unknown:
@@ -124,8 +127,8 @@ def build_method(
     explicit = dict(params)  # keyword arguments win over everything a config pins
     for key, value in [*flat.items(), *explicit.items()]:
         owners = [k for k in KINDS if key in specs[k].params()]
-        if not owners and key == "seed":
-            continue  # a seed is offered to seeded components; deterministic ones ignore it
+        if not owners and (key == "seed" or (key in defaults and key not in explicit)):
+            continue  # a seed is offered to seeded components; a replaced component's defaults go with it
         if not owners:
             valid = sorted({p for k in KINDS for p in specs[k].params()})
             raise ConfigError(

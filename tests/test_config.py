@@ -65,6 +65,22 @@ def test_missing_component_kind_lists_methods_and_choices():
     assert "cam" in msg and "gated_merge" in msg and "uniform" in msg
 
 
+@pytest.mark.parametrize("method, kind, name, own, foreign", [
+    ("selfinfo", "selector", "chunk", dict(chunk=8), "span"),
+    ("chunkkv", "selector", "span", dict(span=8), "chunk"),
+    ("cam", "disposition", "drop", {}, "merge"),
+])
+def test_a_swapped_component_drops_the_methods_defaults_it_does_not_take(method, kind, name, own, foreign):
+    """``build_method("selfinfo", selector="chunk")``: the method's defaults for the replaced
+    component (``span``) go with it; the new component's parameters apply; naming a parameter
+    of the replaced component explicitly is still an error."""
+    m = build_method(method, **{kind: name}, **own)
+    comp = getattr(m, kind)
+    assert type(comp) is kvcompress.get_registry().component(kind, name).cls and getattr(m.config, kind).name == name
+    assert all(getattr(comp, k) == v for k, v in own.items())
+    assert _error(build_method, method, **{kind: name, foreign: 3}).startswith(f"unknown parameter {foreign!r}")
+
+
 @pytest.mark.parametrize("method", ["cam", "h2o"])
 def test_unknown_parameter_lists_the_valid_ones(method):
     msg = _error(build_method, method, budgte=64)
