@@ -21,7 +21,7 @@ PARAMS = {
     "snapkv_merge": dict(recent=4),
     "chunkkv": dict(recent=4, chunk=4),
     "tova_chunk": dict(chunk=4),
-    "selfinfo": dict(recent=4, chunk=4),
+    "selfinfo": dict(recent=4, span=4, step=4),
 }
 
 

@@ -34,7 +34,7 @@ SMALL = {
     "snapkv_merge": dict(budget=24, recent=6, kernel=3, beta=4.0),
     "tova_chunk": dict(budget=24, chunk=4),
     "h2o_pyramid": dict(budget=24, beta=2.0),
-    "selfinfo": dict(budget=24, chunk=4, recent=4, n_sink=1),
+    "selfinfo": dict(budget=24, span=4, step=4, recent=4, n_sink=1),
 }
 METHODS = list(SMALL)
 PER_LAYER = ["pyramidkv", "snapkv_merge", "h2o_pyramid"]

@@ -81,9 +81,16 @@ def test_top_k_bounds_a_first_token_outside_it():
     assert got == pytest.approx(-lp.max(), rel=1e-5) and got <= ref[6] + 1e-5
 
 
-def test_eviction_keeps_the_most_informative_chunks():
-    """Over budget, the chunk selector drops whole chunks of 16 with the least summed
-    information (Eq. 3), sinks and the recent window kept."""
+def _best_span(s, w):
+    """NumPy reference of the span selector: ``S_t = max`` over the ``w``-token windows holding
+    ``t`` of their summed score."""
+    n = len(s)
+    return np.array([max(s[j : j + w].sum() for j in range(max(0, t - w + 1), min(t, n - w) + 1)) for t in range(n)])
+
+
+def test_eviction_keeps_the_most_informative_spans():
+    """Over budget, the tokens whose best 16-token window holds the least information (Eq. 3)
+    leave, a multiple of ``step`` at a time; sinks and the recent window stay."""
     model = tiny_llama()
     ids = _ids(160, seed=5)
     ref = _surprisal(model, ids)
@@ -92,12 +99,51 @@ def test_eviction_keeps_the_most_informative_chunks():
     mx.eval(model(ids[:, 128:129], cache=cache))  # the deferred eviction runs
     pos, _ = _slots(cache[0])
     kept = set(int(p) for p in pos[0, 0] if p >= 0)
-    assert len(kept) <= 96 and {0, 1, 2, 3} <= kept and set(range(128 - 32, 129)) <= kept
-    unprotected = range(1, 6)  # chunks 16..95 may leave (sinks: chunk 0; recent: from 96)
-    sums = {q: ref[q * 16 : q * 16 + 16].sum() for q in unprotected}
-    gone = [q for q in unprotected if not any(p in kept for p in range(q * 16, q * 16 + 16))]
-    stay = [q for q in unprotected if q not in gone]
-    assert gone and stay and max(sums[q] for q in gone) <= min(sums[q] for q in stay)
+    assert {0, 1, 2, 3} <= kept and set(range(128 - 32, 129)) <= kept
+    gone = sorted(set(range(129)) - kept)
+    assert len(kept) <= 96 and len(gone) % 16 == 0
+    s = np.where((np.arange(128) < 4) | (np.arange(128) >= 96), 0.0, ref[:128])  # protected add 0
+    best = _best_span(s, 16)
+    stay = [p for p in range(4, 96) if p in kept]
+    assert gone and stay and best[gone].max() <= best[stay].min() + 1e-3
+
+
+@pytest.mark.parametrize("budget", [64, 512])
+def test_span_recent_window_scales_with_the_budget(budget):
+    """``recent_ratio`` protects the last ``max(recent, floor(ratio * budget))`` positions, and
+    ``reserved`` counts them with the ``step - 1`` rounding slack."""
+    from kvcompress_selfinfo import SpanSelector
+
+    sel = SpanSelector(n_sink=4, recent=32, recent_ratio=0.25, step=16)
+    r = max(32, budget // 4)
+    assert sel.reserved(budget) == 4 + r + 15
+    pos = mx.arange(1000).reshape(1, 1, -1)
+    prot = np.array(sel.protected(pos, mx.array(1000), budget))[0, 0]
+    assert prot.sum() == 4 + r and prot[:4].all() and prot[1000 - r :].all()
+
+
+@pytest.mark.parametrize("span", [1, 3, 16])
+def test_span_scores_match_a_reference_in_any_slot_order(span):
+    """``S_t`` for slots stored in any order equals the reference over the position-sorted
+    scores (protected and empty slots add nothing)."""
+    from kvcompress_selfinfo import SpanSelector
+
+    rng = np.random.default_rng(span)
+    n = 40
+    scores = rng.random(n).astype(np.float32) * 5
+    positions = np.arange(n)
+    positions[:3] = -1  # empty slots
+    prot = (positions >= 0) & (positions < 2)
+    perm = rng.permutation(n)
+    sel = SpanSelector(span=span, n_sink=2, recent=0, step=1)
+    order, best = sel.span_scores(mx.array(scores[perm])[None, None], mx.array(positions[perm])[None, None],
+                                  mx.array(prot[perm] | (positions[perm] < 0))[None, None])
+    got = np.empty(n, np.float32)
+    got[np.array(order)[0, 0]] = np.array(best)[0, 0]
+    srt = np.argsort(positions[perm])
+    want = _best_span(np.where(prot | (positions < 0), 0.0, scores)[np.argsort(positions)], span)
+    real = np.sort(positions) >= 0  # empty slots tie at -1: their order is arbitrary
+    assert np.allclose(got[srt][real], want[real], atol=1e-4)
 
 
 def test_trim_is_exact():

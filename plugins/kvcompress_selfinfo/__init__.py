@@ -1,17 +1,19 @@
 """Self-information: keep what the model did not expect (Selective Context, Li et al., 2023).
 
-Component: scorer ``selfinfo`` (Eq. 1, ``-log P(x_t | x_<t)`` from the model's own predictions
-in the same forward: no extra pass). Method ``selfinfo`` composes it with ``chunk`` (ChunkKV's
-whole-chunk selector: Eq. 3's unit information as the sum over 16 consecutive tokens; 4 sinks
-and the 32 most recent tokens kept), ``drop`` and ``uniform``. It needs the model hook (mlx-lm's
-generation entry points and ``kvcompress.install`` give it) and a model that returns logits.
+Components: scorer ``selfinfo`` (Eq. 1, ``-log P(x_t | x_<t)`` from the model's own
+predictions in the same forward: no extra pass) and selector ``span`` (Eq. 3's unit information
+over every 16-token window; a token scores the best window holding it). Method ``selfinfo``
+composes them with ``drop`` and ``uniform`` (4 sinks and the 32 most recent tokens kept). It
+needs the model hook (mlx-lm's generation entry points and ``kvcompress.install`` give it) and a
+model that returns logits.
 """
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
 from .scorer import UNKNOWN, SelfInfoScorer, SelfInfoState
+from .selector import SpanSelector
 
-__all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN"]
+__all__ = ["SelfInfoScorer", "SelfInfoState", "SpanSelector", "UNKNOWN"]
 
 PAPER = "https://arxiv.org/abs/2310.06201"
 
@@ -27,16 +29,26 @@ def kvcompress_scorers():
 
 
 @hookimpl
+def kvcompress_selectors():
+    return [
+        ComponentSpec(
+            "selector", "span", SpanSelector,
+            "evict the tokens whose best w-token window (any start) has the lowest summed score", PAPER,
+        )
+    ]
+
+
+@hookimpl
 def kvcompress_methods():
     return [
         MethodSpec(
             name="selfinfo",
             scorer="selfinfo",
-            selector="chunk",
+            selector="span",
             disposition="drop",
             budget="uniform",
-            summary="Selective Context: keep the 16-token chunks the model found most informative (-log p)",
-            params={"budget": 512, "chunk": 16, "n_sink": 4, "recent": 32, "reuse_layers": 1},
+            summary="Selective Context: keep the tokens of the 16-token spans the model found most informative (-log p)",
+            params={"budget": 512, "span": 16, "step": 16, "n_sink": 4, "recent": 32},
             paper=PAPER,
         )
     ]
