@@ -61,6 +61,11 @@ class LayerInfo:
 KEEP_STEPS = 16
 
 
+def _last_real(n_valid: tuple) -> mx.array:
+    """``[B, 1, 1]`` int32: the index of each row's last real token in a call."""
+    return mx.array([max(v - 1, 0) for v in n_valid], dtype=mx.int32).reshape(-1, 1, 1)
+
+
 @attrs.frozen
 class Predictions:
     """The model's next-token log-probabilities over one call, computed once for every layer
@@ -109,7 +114,7 @@ class Predictions:
         lse = mx.logsumexp(z, axis=-1, keepdims=True)  # [B, N, 1]
         nxt = mx.take_along_axis(z[:, :-1], mx.maximum(tokens[:, 1:], 0)[..., None].astype(mx.int32), axis=-1)
         surprisal = mx.concatenate([mx.full((b, 1), mx.nan, mx.float32), (lse[:, :-1] - nxt)[..., 0]], axis=1)
-        last_i = mx.array([max(v - 1, 0) for v in n_valid], dtype=mx.int32).reshape(-1, 1, 1)
+        last_i = _last_real(n_valid)
         last = (mx.take_along_axis(z, last_i, axis=1) - mx.take_along_axis(lse, last_i, axis=1))[:, 0]
         return cls(surprisal, last, (z - lse) if n <= KEEP_STEPS else None)
 
@@ -134,7 +139,7 @@ class Predictions:
             except ValueError:  # inside mx.compile: the blocks stay one lazy graph (same values)
                 pass
         surprisal = mx.concatenate(parts, axis=1)
-        last_i = mx.array([max(v - 1, 0) for v in n_valid], dtype=mx.int32).reshape(-1, 1, 1)
+        last_i = _last_real(n_valid)
         z = head(mx.take_along_axis(hidden, last_i, axis=1)).astype(mx.float32)[:, 0]  # [B, V]
         return cls(surprisal, z - mx.logsumexp(z, axis=-1, keepdims=True), None)
 

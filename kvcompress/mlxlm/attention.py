@@ -143,7 +143,7 @@ def _model_call(base, model, args, kwargs):
         with capture() as seen:
             out = base.__call__(model, *args, **kwargs)
         # the head's input, if the model returned exactly what its head made
-        head = seen[-1][:2] if len(seen) == 1 and seen[0][2] is out else None
+        head = seen[0][:2] if len(seen) == 1 and seen[0][2] is out else None
         after_call(cache, out, head)
         return out
     return base.__call__(model, *args, **kwargs)

@@ -22,6 +22,7 @@ once every ``step`` tokens instead of every token; the cache refills the freed s
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -80,8 +81,9 @@ class SpanSelector:
     requires: ClassVar[frozenset] = frozenset({"positions"})
     provides: ClassVar[frozenset] = frozenset({"protection"})
 
-    @property
+    @functools.cached_property
     def _window(self) -> LowestScoreSelector:
+        """``lowest``'s protection with the same parameters (built once per selector)."""
         return LowestScoreSelector(self.n_sink, self.recent, self.recent_ratio)
 
     def reserved(self, budget: int) -> int:
@@ -95,19 +97,23 @@ class SpanSelector:
     def protected(self, positions: mx.array, offset: mx.array, budget) -> mx.array:
         return self._window.protected(positions, offset, budget)
 
-    def span_scores(self, scores: mx.array, positions: mx.array, protected: mx.array) -> tuple:
-        """``(order, S)``: slots sorted by position and each sorted slot's best-unit score
-        (``S_t`` = the largest sum over the units ending at ``t .. t + w - 1``)."""
+    def _sorted(self, scores: mx.array, positions: mx.array, protected: mx.array) -> tuple:
+        """``(order, positions, protected, S)`` of the slots sorted by position, ``S_t`` the
+        largest sum over the units ending at ``t .. t + w - 1`` (protected slots add 0)."""
         order = mx.argsort(positions, axis=-1)
-        s = mx.take_along_axis(scores.astype(mx.float32), order, axis=-1)
-        s = mx.where(mx.take_along_axis(protected, order, axis=-1), 0.0, s)
+        pos = mx.take_along_axis(positions, order, axis=-1)
+        prot = mx.take_along_axis(protected, order, axis=-1)
+        s = mx.where(prot, 0.0, mx.take_along_axis(scores.astype(mx.float32), order, axis=-1))
         w = min(self.span, s.shape[-1])
-        return order, _ahead_max(_unit_sums(s, w), w)
+        return order, pos, prot, _ahead_max(_unit_sums(s, w), w)
+
+    def span_scores(self, scores: mx.array, positions: mx.array, protected: mx.array) -> tuple:
+        """``(order, S)``: slots sorted by position and each sorted slot's best-unit score."""
+        order, _, _, best = self._sorted(scores, positions, protected)
+        return order, best
 
     def select(self, sel) -> mx.array:
-        order, best = self.span_scores(sel.scores, sel.positions, sel.protected)
-        pos = mx.take_along_axis(sel.positions, order, axis=-1)
-        prot = mx.take_along_axis(sel.protected, order, axis=-1)
+        order, pos, prot, best = self._sorted(sel.scores, sel.positions, sel.protected)
         k = self.evict_count(sel.n_evict)
         idx = lowest_k(best, pos, k, ordered=sel.row_counts is not None, exclude=prot)
         return mx.take_along_axis(order, idx, axis=-1).astype(mx.int32)
