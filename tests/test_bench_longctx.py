@@ -289,6 +289,24 @@ def test_gate_averages_only_tasks_the_full_cache_passes(source):
     # the needle is asked last (reversed order): only the last turn is gated in
     assert rec["accuracy_by_turn"][:-1] == [None] * 5 and rec["accuracy_by_turn"][-1] == 0.5
     assert rec["later_accuracy"] == 0.5
+    # paired over episodes: one right (1 of 1), one wrong (0 of 1) -> draws give 0, 1/2 or 1
+    assert rec["relative_ci"] == [0.0, 1.0] and rec["later_relative"] == 0.5
+    assert rec["later_relative_ci"] == [0.0, 1.0]
+
+
+def test_relative_interval_is_a_seeded_paired_episode_bootstrap():
+    from kvcompress.bench._longctx_report import relative_interval
+
+    assert relative_interval([3, 3, 3], [4, 4, 4]) == pytest.approx([0.75, 0.75])  # same ratio in every episode
+    assert relative_interval([1], [2]) is None and relative_interval([0, 0], [0, 0]) is None
+    c, f = np.array([5, 4, 6, 2, 5, 6, 3, 4]), np.array([6, 5, 6, 5, 6, 6, 4, 5])
+    lo, hi = relative_interval(c, f)
+    assert lo < c.sum() / f.sum() < hi <= 1.0 and relative_interval(c, f) == [lo, hi]
+    # pairing: a full cache that fails where the method fails narrows the interval
+    lo2, hi2 = relative_interval(c, np.minimum(f, c + 1))
+    assert hi2 - lo2 < hi - lo
+    more = relative_interval(np.concatenate([c] * 4), np.concatenate([f] * 4))  # 4x the episodes: narrower
+    assert more[1] - more[0] < hi - lo
 
 
 @pytest.mark.parametrize("mod", ["longctx", "longppl"])

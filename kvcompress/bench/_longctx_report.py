@@ -3,7 +3,10 @@
 :func:`measured_record` turns one cache's replies into a result row: exact-match accuracy over
 the questions of the tasks the full cache passes (the gate), its standard error
 ``std(ddof=1) / sqrt(n)`` over those questions, partial match, per-task and per-turn accuracy,
-and the full cache's figures on the same questions beside them.
+and the full cache's figures on the same questions beside them. ``relative`` (and, over a
+conversation's later turns, ``later_relative``) = correct answers / the full cache's correct answers
+on the same questions, with a 90% interval from a seeded bootstrap over episodes (questions of one
+context are not independent; both caches are resampled together, so the interval is paired).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 from ._report import caption as _caption
 from ._report import fmt, print_table, pyplot, result_labels, save_plot
 
-__all__ = ["scores", "measured_record", "results_table", "gate_table", "print_gate", "caption", "plot_longctx"]
+__all__ = ["scores", "relative_interval", "measured_record", "results_table", "gate_table", "print_gate", "caption", "plot_longctx"]
 
 
 def scores(episodes, answers) -> tuple[np.ndarray, np.ndarray]:
@@ -35,6 +38,31 @@ def _stats(exact: np.ndarray, mask: np.ndarray) -> tuple:
     return float(x.mean()), se
 
 
+#: bootstrap draws and interval of ``relative_ci`` / ``later_relative_ci``
+DRAWS, LEVEL = 2000, 0.90
+
+
+def relative_interval(correct: np.ndarray, full_correct: np.ndarray) -> Optional[list]:
+    """``[lo, hi]``: the central ``LEVEL`` interval of ``sum(correct) / sum(full_correct)`` over
+    episodes drawn with replacement (``DRAWS`` draws, seed 0; draws where the full cache answers
+    nothing are left out), from per-episode counts of correct answers; None without two episodes."""
+    c, f = np.asarray(correct, float), np.asarray(full_correct, float)
+    if len(c) < 2 or not f.sum():
+        return None
+    idx = np.random.default_rng(0).integers(0, len(c), (DRAWS, len(c)))
+    den = f[idx].sum(axis=1)
+    ratio = c[idx].sum(axis=1)[den > 0] / den[den > 0]
+    lo, hi = np.percentile(ratio, [50 * (1 - LEVEL), 50 * (1 + LEVEL)])
+    return [float(lo), float(hi)]
+
+
+def _relative(exact: np.ndarray, full_exact: np.ndarray, mask: np.ndarray, at: np.ndarray) -> tuple:
+    """``(relative, relative_ci)`` over the questions in ``mask`` (flat, episodes at ``at``)."""
+    per = [(exact[a:b][mask[a:b]].sum(), full_exact[a:b][mask[a:b]].sum()) for a, b in zip(at[:-1], at[1:])]
+    c, f = np.array(per, float).reshape(-1, 2).T
+    return (float(c.sum() / f.sum()) if f.sum() else None), relative_interval(c, f)
+
+
 def measured_record(base: dict, episodes, meas: dict, full: Optional[dict], gate: dict, protocol: str) -> dict:
     """One result row: accuracies (gated mean, per task, per turn), the full cache's, bytes, time."""
     exact, partial = scores(episodes, meas["answers"][protocol])
@@ -50,7 +78,12 @@ def measured_record(base: dict, episodes, meas: dict, full: Optional[dict], gate
            "exact": [[int(x) for x in exact[at[e]:at[e + 1]]] for e in range(len(episodes))],
            "kv_bytes": meas["kv_bytes"], "kept": meas["kept"],
            "seconds": {k: round(v, 2) for k, v in meas["seconds"].items()}}
+    later_mask = None
     if protocol == "turns":  # accuracy of the t-th question asked, over episodes (gated tasks)
+        later_mask = mask.copy()
+        for e, o in enumerate(meas["orders"]):
+            if o:
+                later_mask[at[e] + o[0]] = False
         n_turns = max(len(o) for o in meas["orders"])
         by_turn = [[exact[at[e] + o[t]] for e, o in enumerate(meas["orders"]) if t < len(o) and mask[at[e] + o[t]]]
                    for t in range(n_turns)]
@@ -60,7 +93,10 @@ def measured_record(base: dict, episodes, meas: dict, full: Optional[dict], gate
     if full is not None:
         rec["full_accuracy"] = full["accuracy"]
         rec["full_later_accuracy"] = full.get("later_accuracy")
-        rec["relative"] = acc / full["accuracy"] if acc is not None and full["accuracy"] else None
+        full_exact = np.array([v for row in full["exact"] for v in row], float)
+        rec["relative"], rec["relative_ci"] = _relative(exact, full_exact, mask, at)
+        if later_mask is not None:
+            rec["later_relative"], rec["later_relative_ci"] = _relative(exact, full_exact, later_mask, at)
         rec["bytes_ratio"] = full["kv_bytes"] / meas["kv_bytes"] if meas["kv_bytes"] else None
     return rec
 
@@ -80,7 +116,7 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
     ratios = list(payload["settings"]["ratios"])
     top = max(ratios)
     cols = ["length", "protocol", "method", *[f"{x}x" for x in ratios], "full", f"bytes ratio {top}x",
-            f"later turns {top}x", f"seconds {top}x"]
+            f"later turns {top}x", f"of full {top}x (90% CI; turns: later)", f"seconds {top}x"]
     cells: dict[tuple, dict] = {}
     for r in payload["results"]:
         cells.setdefault((r["length"], r["protocol"], r["label"]), {})[r["ratio"]] = r
@@ -89,13 +125,22 @@ def results_table(payload: dict) -> tuple[list[str], list[list[Any]]]:
         if label == "full":
             f = by[1]
             rows.append([length, protocol, label, *[_acc(f)] * len(ratios), fmt(f.get("accuracy")), 1.0,
-                         f.get("later_accuracy"), _seconds(f)])
+                         f.get("later_accuracy"), None, _seconds(f)])
             continue
         t = by.get(top, {})
         full = next((x.get("full_accuracy") for x in by.values() if x.get("full_accuracy") is not None), None)
         rows.append([length, protocol, label, *[_acc(by[x]) if x in by else None for x in ratios], full,
-                     t.get("bytes_ratio"), t.get("later_accuracy"), _seconds(t)])
+                     t.get("bytes_ratio"), t.get("later_accuracy"), _of_full(t, protocol), _seconds(t)])
     return cols, rows
+
+
+def _of_full(r: dict, protocol: str):
+    """``relative [lo, hi]`` (``later_relative`` for a conversation), or None."""
+    key = "later_relative" if protocol == "turns" else "relative"
+    v, ci = r.get(key), r.get(key + "_ci")
+    if v is None:
+        return None
+    return f"{v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
 def _seconds(r: dict):
