@@ -257,6 +257,14 @@ def test_variants_run_next_to_the_defaults_and_bad_ones_are_refused(tiny, source
         cache_entries(None, reg, [("nope", {"x": 1})])
     with pytest.raises(ValueError, match="--variant snapkv:no_such=1"):
         cache_entries(None, reg, [("snapkv", {"no_such": 1})])
+    # budget= swaps the budget component; the sweep still sets the size (an int there is refused)
+    with pytest.raises(ValueError, match="budget= names a budget component .*pyramid"):
+        cache_entries(None, reg, [("h2o", {"budget": 64})])
+    from kvcompress.bench._caches import make_cache
+
+    pyramid = [c.budget for c in make_cache(tiny, "h2o", 96, params={"budget": "pyramid", "beta": 2.0})]
+    assert len(set(pyramid)) > 1 and pyramid == sorted(pyramid, reverse=True)
+    assert abs(sum(pyramid) - 96 * len(pyramid)) <= len(pyramid)
     p = lc.run_longctx({"lengths": (600,), "episodes": 1, "chunk": 128, "methods": ("h2o",), "protocols": ("blind",),
                         "extra": [("h2o", {"n_sink": 8})], "text_dir": source.where}, model=tiny,
                        tokenizer=ByteTokenizer(True), progress=False)

@@ -85,7 +85,14 @@ def make_cache(model, name: str, budget: int, *, keep: int = 4, seed: Optional[i
     extra = dict(params or {})
     if seed is not None:
         extra["seed"] = seed
-    return make_prompt_cache(model, name, registry=registry, budget=budget, **extra)
+    policy = extra.pop("budget", None)  # a budget component (``pyramid``), sized by the sweep
+    if isinstance(policy, str):
+        policy = {"name": policy}
+    if policy is not None and not isinstance(policy, dict):
+        raise ValueError(f"{name}: budget={policy!r} in a variant must name a budget component; the sweep sets "
+                         "the size")
+    size = budget if policy is None else {**policy, "budget": budget}
+    return make_prompt_cache(model, name, registry=registry, budget=size, **extra)
 
 
 def _head_dim(model) -> Optional[int]:

@@ -38,6 +38,10 @@ def cache_entries(methods, registry, variants: Sequence = ()) -> list[tuple]:
     for name, params in variants or ():
         if name not in registry.methods:
             raise ValueError(f"--variant {name}: unknown method; registered: {', '.join(sorted(registry.methods))}")
+        if "budget" in params and params["budget"] not in registry.components["budget"]:
+            raise ValueError(f"--variant {label(name, params)}: budget= names a budget component "
+                             f"({', '.join(sorted(registry.components['budget']))}); the sweep sets the size "
+                             "(--ratios)")
         try:
             build_method(name, registry=registry, **params)
         except Exception as exc:  # ConfigError and friends: one line
