@@ -20,7 +20,8 @@ import numpy as np
 from ._report import caption as _caption
 from ._report import fmt, print_table, pyplot, result_labels, save_plot
 
-__all__ = ["scores", "relative_interval", "measured_record", "results_table", "gate_table", "print_gate", "caption", "plot_longctx"]
+__all__ = ["scores", "relative_interval", "measured_record", "results_table", "gate_table", "print_gate", "caption",
+           "plot_longctx"]
 
 
 def scores(episodes, answers) -> tuple[np.ndarray, np.ndarray]:
