@@ -162,7 +162,8 @@ def test_trim_is_exact():
         mx.eval(model(ids[:, 22:23], cache=x))
     for ca, cb in zip(a, b):
         for u, v in zip(ca.state[:-1], cb.state[:-1]):
-            assert np.allclose(np.array(u), np.array(v), equal_nan=True)
+            # equal up to float32 rounding: a 6-token and a 2-token step round their matmuls differently
+            assert np.allclose(np.array(u), np.array(v), atol=1e-6, equal_nan=True)
 
 
 def test_a_call_without_the_model_hook_is_refused_unchanged():
