@@ -1,6 +1,7 @@
 """StreamingLLM: what it keeps, and its position-shift variant.
 
 * StreamingLLM: exactly the sinks plus the most recent tokens, for any chunking (hypothesis).
+* A chunk read after eviction attends the sinks from every query (mlx-lm's rotating cache does not).
 * Position shift: attended keys sit at contiguous positions, which gives StreamingLLM's logits.
 """
 
@@ -45,6 +46,30 @@ def test_streaming_llm_keeps_exactly_sinks_and_recent(steps, n_sink, extra, b):
         expect = set(range(min(n_sink, off))) | set(range(off - (n - min(n_sink, off)), off))
         assert len(expect) == n
         assert all(k == expect for row in kept_sets(d.pos) for k in row)
+
+
+def test_chunk_after_eviction_attends_the_sinks_unlike_rotating():
+    """A chunk read after eviction attends the sinks from every query (the layout is sinks,
+    recent, chunk, so bottom-right "causal" covers them); mlx-lm's ``RotatingKVCache`` of the same
+    size and keep masks its sink columns out of a chunk with a sliding window, which is why it
+    predicts long text worse at equal bytes (docs/bench_longctx.md)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    budget, n_sink, n = 8, 2, 6
+    d = Driver("streaming_llm", budget, n_sink=n_sink)
+    rot = RotatingKVCache(max_size=budget, keep=n_sink)
+    for s in (5, 6, 3):  # 14 tokens read: both have evicted, both keep the 2 sinks
+        d.step(s)
+        kv = mx.zeros((1, 2, s, D))
+        rot.update_and_fetch(kv, kv)
+    assert d.cache.evictions > 0 and rot.offset == d.cache.offset == 14
+    ours = np.array(d.cache.make_mask(n, return_array=True))  # asked before the step, as models do
+    theirs = np.array(rot.make_mask(n, return_array=True))
+    assert ours.shape == theirs.shape == (n, budget - 1 + n)
+    d.step(n)
+    assert (d.pos[..., :n_sink] == np.arange(n_sink)).all()  # the sink columns, after the step
+    assert ours[:, :n_sink].all()  # every query of the chunk sees both sinks
+    assert not theirs[n_sink:, :n_sink].any()  # the rotating cache: query j >= 2 sees neither
 
 
 # ------------------------------------------------------------------------------------------------
