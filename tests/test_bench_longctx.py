@@ -247,7 +247,10 @@ def test_variants_run_next_to_the_defaults_and_bad_ones_are_refused(tiny, source
     # the method tables print Python's words: they read back as what they say
     assert variant("cam:merge_gate=False,merge_keys=true,seed=None") == (
         "cam", {"merge_gate": False, "merge_keys": True, "seed": None})
-    for bad in ("snapkv", "snapkv:", ":kernel=3", "snapkv:kernel"):
+    # a JSON list's (or a quoted string's) commas do not split the parameters
+    assert variant("selfinfo:keep_ids=[0, 1,2],top_k=8") == ("selfinfo", {"keep_ids": [0, 1, 2], "top_k": 8})
+    assert variant('snapkv:pooling="a,b"') == ("snapkv", {"pooling": "a,b"})
+    for bad in ("snapkv", "snapkv:", ":kernel=3", "snapkv:kernel", "selfinfo:keep_ids=[1,2"):
         with pytest.raises(argparse.ArgumentTypeError, match="METHOD:NAME=VALUE"):
             variant(bad)
     reg = get_registry()

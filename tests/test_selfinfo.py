@@ -10,7 +10,7 @@ import pytest
 import kvcompress
 from kvcompress import Predictions
 from kvcompress.mlxlm.attention import base_class
-from kvcompress_selfinfo import UNKNOWN, SelfInfoScorer
+from kvcompress_selfinfo import UNKNOWN, SelfInfoScorer, special_ids
 
 from conftest import tiny_llama
 
@@ -216,9 +216,39 @@ def test_a_scorer_requiring_predictions_needs_the_hook():
         kvcompress.CompressedKVCache(m, 64)
 
 
+def test_keep_ids_stay_with_their_units():
+    """``keep_ids`` (e.g. a chat template's turn markers) score UNKNOWN wherever they occur, so
+    while their units fit the budget they are never evicted; every other token keeps its
+    surprisal. Without them some leave."""
+    model = tiny_llama()
+    ids = _ids(336, seed=7)
+    marks = [20, 60, 110, 200]
+    ids[0, mx.array(marks)] = 5
+    ref = _surprisal(model, ids)
+    held = {}
+    for keep in ((), (5,)):
+        cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=192, top_k=97, keep_ids=keep)
+        for a in range(0, 336, 16):
+            mx.eval(model(ids[:, a : a + 16], cache=cache))
+        pos, score = _slots(cache[0])
+        held[keep] = {int(p): float(x) for p, x in zip(pos[0, 0], score[0, 0]) if p >= 0}
+    assert not set(marks) <= set(held[()])  # the case under test: unprotected, some leave
+    assert set(marks) <= set(held[(5,)]) and all(held[(5,)][m] == UNKNOWN for m in marks)
+    fives = set(np.flatnonzero(np.array(ids)[0] == 5).tolist())  # the planted ones and any drawn
+    assert all(held[(5,)][p] == UNKNOWN for p in fives if p in held[(5,)])
+    others = [p for p in held[(5,)] if p not in fives and 0 < p < 192]  # scored before any eviction
+    np.testing.assert_allclose([held[(5,)][p] for p in others], ref[others], rtol=1e-4, atol=1e-4)
+
+
 def test_selfinfo_scorer_validates():
+    class Tok:
+        all_special_ids = [2, 0, 1, 2]
+
+    assert special_ids(Tok()) == (0, 1, 2) and SelfInfoScorer(keep_ids=special_ids(Tok())).keep_ids == (0, 1, 2)
     with pytest.raises((TypeError, ValueError)):
         SelfInfoScorer(top_k=0)
+    with pytest.raises(kvcompress.ConfigError, match="keep_ids"):
+        kvcompress.build_method("selfinfo", keep_ids=[-1])
 
 
 def test_predictions_share_one_computation_across_layers():

@@ -13,12 +13,37 @@ from ._caches import entries, label
 __all__ = ["variant", "cache_entries"]
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and quotes (``ids=[1,2],n=3`` -> 2 items)."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth or quote:
+        raise argparse.ArgumentTypeError(f"unbalanced brackets or quotes in {text!r}")
+    return items + [text[start:]]
+
+
 def variant(text: str) -> tuple[str, dict]:
     """argparse type: ``snapkv:kernel=11,recent=8`` -> ``("snapkv", {"kernel": 11, "recent": 8})``
-    (values as :func:`kvcompress.generate.param_value` reads them: JSON, ``True``/``False``/``None``, else strings)."""
+    (values as :func:`kvcompress.generate.param_value` reads them: JSON, ``True``/``False``/``None``, else strings;
+    a JSON list's commas do not split: ``selfinfo:keep_ids=[1,2]``)."""
     name, _, rest = text.partition(":")
     params: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
+    try:
+        items = _split_top(rest)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"expected METHOD:NAME=VALUE[,NAME=VALUE], got {text!r}: {exc}") from None
+    for item in filter(None, (x.strip() for x in items)):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise argparse.ArgumentTypeError(f"expected METHOD:NAME=VALUE[,NAME=VALUE], got {text!r}")

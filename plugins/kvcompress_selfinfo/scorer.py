@@ -18,6 +18,11 @@ keeps as its ``top_k`` most likely ids (an id outside them gets the ``top_k``-th
 log-probability: a lower bound on its information). A token no prediction precedes (the
 prompt's first, a batch row's first after its left padding) gets :data:`UNKNOWN`, so it stays.
 Scores are float32 and the same for every head and layer: a token-level decision.
+
+``keep_ids``: token ids scored :data:`UNKNOWN` wherever they occur, so they and the span units
+that hold them stay: a chat template's turn markers (``<|im_start|>``, ``<|im_end|>``), whose
+predictable turns would otherwise leave first and leave the conversation with holes.
+:func:`special_ids` gives a tokenizer's special ids.
 """
 
 from __future__ import annotations
@@ -27,14 +32,20 @@ from typing import ClassVar, Optional
 
 import attrs
 import mlx.core as mx
-from attrs.validators import ge, instance_of
+from attrs.validators import and_, deep_iterable, ge, instance_of
 
 from kvcompress import rows_field
 
-__all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN"]
+__all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN", "special_ids"]
 
 #: the score of a token whose prediction is unknown (kept ahead of every predicted token)
 UNKNOWN = 1.0e4
+
+
+def special_ids(tokenizer) -> tuple:
+    """A Hugging Face / mlx-lm tokenizer's special token ids (BOS, EOS, a chat template's turn
+    markers), sorted, for ``SelfInfoScorer(keep_ids=...)``."""
+    return tuple(sorted({int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()}))
 
 
 @attrs.define
@@ -50,9 +61,11 @@ class SelfInfoState:
 class SelfInfoScorer:
     """Self-information ``I(x_t) = -log P(x_t | x_<t)`` of every stored token (Eq. 1), from the
     model's own predictions; see the module docstring. ``top_k``: ids of the previous call's
-    last prediction the state keeps (for the next call's first token)."""
+    last prediction the state keeps (for the next call's first token); ``keep_ids``: token ids
+    always kept (scored :data:`UNKNOWN`)."""
 
     top_k: int = attrs.field(default=64, validator=[instance_of(int), ge(1)])
+    keep_ids: tuple = attrs.field(default=(), converter=tuple, validator=deep_iterable(and_(instance_of(int), ge(0))))
 
     requires: ClassVar[frozenset] = frozenset({"positions", "tokens", "predictions"})
     provides: ClassVar[frozenset] = frozenset()
@@ -68,7 +81,7 @@ class SelfInfoScorer:
     def observe_predictions(self, scores: mx.array, obs) -> mx.array:
         pred, st = obs.predictions, obs.state or SelfInfoState()
         n_valid = tuple(obs.n_valid or (obs.n_new,) * len(obs.offsets))
-        key = ("selfinfo", self.top_k, st.ids, st.logp, tuple(obs.offsets), n_valid)
+        key = ("selfinfo", self.top_k, self.keep_ids, st.ids, st.logp, tuple(obs.offsets), n_valid)
         info, start, valid, ids, logp = pred.once(key, lambda: self._token_info(pred, st, obs.tokens, obs.offsets, n_valid))
         obs.state = SelfInfoState(ids=ids, logp=logp)
         p = obs.positions
@@ -96,6 +109,9 @@ class SelfInfoScorer:
         # a prediction exists when the token before is real: in this call, or the previous one
         before = mx.concatenate([mx.full((b, 1), st.ids is not None), qpos[:, :-1] >= 0], axis=1) & (qpos > 0)
         info = mx.where(before & ~mx.isnan(info), info, UNKNOWN)
+        if self.keep_ids:
+            keep = (tok[:, :, None] == mx.array(self.keep_ids, dtype=mx.int32)).any(axis=-1)
+            info = mx.where(keep, UNKNOWN, info)
         ids, logp = pred.top(self.top_k)
         if st.ids is not None:  # a row without tokens this call keeps its previous prediction
             real = valid > 0
