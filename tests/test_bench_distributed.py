@@ -15,6 +15,9 @@ import pytest
 
 from kvcompress.cli import main
 
+#: mlx.launch listens on fixed ports: one launch at a time (see tests/test_distributed.py)
+pytestmark = pytest.mark.xdist_group("mlx_launch")
+
 
 def test_quick_run_counts_one_collective_per_step_where_needed(tmp_path, capsys):
     if shutil.which("mlx.launch") is None:

@@ -221,7 +221,7 @@ def smollm2():
 @pytest.mark.model
 @pytest.mark.slow
 def test_real_model_full_cache_finds_a_short_needle_and_a_roomy_budget_matches_it(smollm2):
-    """Full cache: the single needle at 768 tokens, 3 episodes, all found (a task the workload
+    """Full cache: the single needle at 768 tokens, 2 episodes, both found (a task the workload
     keeps); a kvcompress cache whose budget holds the whole conversation answers exactly as it."""
     import kvcompress
     from mlx_lm.models.cache import make_prompt_cache
@@ -229,7 +229,7 @@ def test_real_model_full_cache_finds_a_short_needle_and_a_roomy_budget_matches_i
     model, tok = smollm2
     fmt = ChatFormat.for_tokenizer(tok)
     src = TextSource.from_dir(data_dir() / "longtext")
-    eps = [build_episode(tok, fmt, src, 768, ("niah_single",), (0, 768, e)) for e in range(3)]
+    eps = [build_episode(tok, fmt, src, 768, ("niah_single",), (0, 768, e)) for e in range(2)]
     s = {**lc.DEFAULTS, "protocols": ("blind",)}
     full = lc.measure(model, tok, fmt, eps, lambda: make_prompt_cache(model), s, eos_ids(tok), None)
     exact, _ = lc.scores(eps, full["answers"]["blind"])

@@ -30,6 +30,9 @@ import kvcompress
 HERE = Path(__file__).resolve().parent
 ASSETS = Path(kvcompress.__file__).resolve().parent / "assets" / "retrieval"
 BUDGET, N_TOKENS = 40, 24
+#: mlx.launch's ring backend listens on fixed ports: every test that launches ranks runs on one
+#: pytest-xdist worker (``--dist loadgroup``), one launch at a time
+pytestmark = pytest.mark.xdist_group("mlx_launch")
 #: methods the MLA model refuses at build time (with a clear error): per-layer budgets under its
 #: shared array mask, or a disposition that needs real cached values
 MLA_REFUSED = {"kivi", "h2o_kivi", "squeeze", "pyramidkv", "h2o_pyramid", "snapkv_merge"}

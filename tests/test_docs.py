@@ -278,7 +278,9 @@ def test_tutorial_plugin_is_discovered_through_its_entry_point(tmp_path, monkeyp
 
 def test_tutorial_plugin_passes_its_own_tests(tmp_path):
     project = write_tutorial_package(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])}
+    # a fresh pytest, as the plugin's author runs it: not a worker of this run's pytest-xdist
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-W", "error::pytest.PytestWarning", "tests"],
         cwd=project, env=env, capture_output=True, text=True, timeout=300,
