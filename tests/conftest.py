@@ -14,6 +14,22 @@ _DEFAULT_MODELS = REPO.parent / "shared" / "models"
 _DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 
+def pytest_addoption(parser, pluginmanager):
+    """Without pytest-xdist (the ``dev`` extra installs it) the ``-n auto --dist loadgroup`` of
+    pyproject's ``addopts`` would stop pytest before any test: accept them, run in one process."""
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist", "pytest-xdist is not installed: its options are ignored")
+        # ``_addoption``: how pytest-xdist itself declares ``-n`` (``addoption`` refuses lowercase short options)
+        group._addoption("-n", "--numprocesses", dest="ignored_numprocesses", default=None,
+                         help="pytest-xdist is not installed: ignored, the tests run in one process")
+        group.addoption("--dist", dest="ignored_dist", default="no", help="pytest-xdist is not installed: ignored")
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.has_plugin("xdist"):
+        config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker (ignored)")
+
+
 def models_dir() -> Path:
     """``$KVCOMPRESS_MODELS_DIR`` or ``../shared/models`` next to the checkout."""
     return Path(os.environ.get("KVCOMPRESS_MODELS_DIR", _DEFAULT_MODELS))
