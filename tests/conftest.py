@@ -25,9 +25,10 @@ def pytest_addoption(parser, pluginmanager):
         group.addoption("--dist", dest="ignored_dist", default="no", help="pytest-xdist is not installed: ignored")
 
 
-def pytest_configure(config):
-    if not config.pluginmanager.has_plugin("xdist"):
-        config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker (ignored)")
+def fresh_pytest_env(**extra) -> dict:
+    """This process's environment for a pytest run in a subprocess, without the ``PYTEST_XDIST_*``
+    variables that would make it look like a worker of this run (plus ``extra``)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}, **extra}
 
 
 def models_dir() -> Path:

@@ -33,6 +33,7 @@ from kvcompress.cli import build_parser, methods_table
 from kvcompress.components import KINDS, ComponentSpec, MethodSpec
 from kvcompress.hookspecs import HOOK_KINDS, ComponentSpecs
 from kvcompress.registry import Registry
+from conftest import fresh_pytest_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -279,8 +280,7 @@ def test_tutorial_plugin_is_discovered_through_its_entry_point(tmp_path, monkeyp
 def test_tutorial_plugin_passes_its_own_tests(tmp_path):
     project = write_tutorial_package(tmp_path)
     # a fresh pytest, as the plugin's author runs it: not a worker of this run's pytest-xdist
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env["PYTHONPATH"] = os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])
+    env = fresh_pytest_env(PYTHONPATH=os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-W", "error::pytest.PytestWarning", "tests"],
         cwd=project, env=env, capture_output=True, text=True, timeout=300,

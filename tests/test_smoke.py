@@ -1,5 +1,7 @@
 import os
 
+from conftest import fresh_pytest_env
+
 
 def test_blas_preloaded_on_linux():
     from kvcompress._blas import find_openblas
@@ -34,10 +36,9 @@ def test_the_tests_run_without_pytest_xdist():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                         "-W", "error::pytest.PytestUnknownMarkWarning",
                         "tests/test_bench_distributed.py::test_a_budget_a_method_cannot_hold_is_one_error_line"],
-                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=repo, env=fresh_pytest_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "created:" not in r.stdout  # no xdist workers
