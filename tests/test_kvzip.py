@@ -16,7 +16,7 @@ from kvcompress import ComponentSpec, hookimpl, ops
 from kvcompress.engine import passes as _scoring_pass
 from kvcompress.batch_cache import BatchCompressedKVCache
 from kvcompress.registry import Registry
-from kvcompress_kvzip import KVzipScorer, pass_score, repeat_prompt
+from kvcompress_kvzip import KVzipScorer, chat_reconstruction, pass_score, repeat_prompt
 from kvcompress_kvzip.scorer import PREV, REPEAT_TEXT
 
 from conftest import tiny_llama
@@ -196,10 +196,12 @@ def _consume(scorer, state, offset):
     return ids, obs.state
 
 
-def test_passes_are_prompt_prev8_piece():
-    """A 300-token prefill: pieces of 128 with the previous piece's last 8 ids after the prompt."""
+@pytest.mark.parametrize("suffix", [(), (7, 8)])
+def test_passes_are_prompt_prev8_suffix_piece(suffix):
+    """A 300-token prefill: pieces of 128 with the previous piece's last 8 ids after the prompt,
+    then the suffix (kvpress: the chat template's end of turn and assistant header)."""
     prompt = (90, 91, 92)
-    scorer = KVzipScorer(chunk=128, interval=32, prompt=prompt)
+    scorer = KVzipScorer(chunk=128, interval=32, prompt=prompt, suffix=suffix)
     ids = mx.arange(1000, 1300, dtype=mx.int32)[None]
     st = _obs_step(scorer, scorer.init_state(None), ids, 300)
     seen = []
@@ -207,16 +209,16 @@ def test_passes_are_prompt_prev8_piece():
         got, st = _consume(scorer, st, 300)
         seen.append(np.array(got)[0].tolist())
     assert len(seen) == 3
-    assert seen[0] == [*prompt, *[-1] * PREV, *range(1000, 1128)]
-    assert seen[1] == [*prompt, *range(1120, 1128), *range(1128, 1256)]
-    assert seen[2] == [*prompt, *range(1248, 1256), *range(1256, 1300)]
+    assert seen[0] == [*prompt, *[-1] * PREV, *suffix, *range(1000, 1128)]
+    assert seen[1] == [*prompt, *range(1120, 1128), *suffix, *range(1128, 1256)]
+    assert seen[2] == [*prompt, *range(1248, 1256), *suffix, *range(1256, 1300)]
     # decode: a pass every `interval` ids, never before
     for i in range(31):
         st = _obs_step(scorer, st, mx.array([[2000 + i]], dtype=mx.int32), 301 + i)
         assert scorer.pass_tokens(st) is None
     st = _obs_step(scorer, st, mx.array([[2031]], dtype=mx.int32), 332)
     got = np.array(scorer.pass_tokens(st))[0].tolist()
-    assert got == [*prompt, *range(1292, 1300), *range(2000, 2032)]
+    assert got == [*prompt, *range(1292, 1300), *suffix, *range(2000, 2032)]
 
 
 def test_repeat_prompt_encodes_kvpress_instruction():
@@ -228,6 +230,33 @@ def test_repeat_prompt_encodes_kvpress_instruction():
     assert repeat_prompt(Tok()) == tuple(ord(c) for c in REPEAT_TEXT)
     with pytest.raises(ValueError, match="prompt"):
         KVzipScorer(prompt=(1, -2))
+    with pytest.raises(ValueError, match="suffix"):
+        KVzipScorer(suffix=(-1,))
+
+
+def test_chat_reconstruction_takes_the_suffix_from_the_chat_template():
+    """kvpress's layout: the instruction, then the template's end of the user turn and the
+    assistant header; without a template the suffix is a newline."""
+
+    class Tok:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and not tokenize
+            return f"<s>sys<e><s>user {messages[0]['content']}<e><s>assistant "
+
+    assert chat_reconstruction(Tok()) == {"prompt": repeat_prompt(Tok()), "suffix": (ord("\n"),)}
+    Tok.chat_template = "chatml"
+    got = chat_reconstruction(Tok())
+    assert got["prompt"] == repeat_prompt(Tok())
+    assert "".join(map(chr, got["suffix"])) == "<e><s>assistant "
+    KVzipScorer(**got)  # valid parameters
+    Tok.apply_chat_template = lambda self, m, add_generation_prompt, tokenize: "rewritten"
+    with pytest.raises(ValueError, match="verbatim"):
+        chat_reconstruction(Tok())
 
 
 def _prefilled(model, method="kvzip", n=40, budget=16, **kw):

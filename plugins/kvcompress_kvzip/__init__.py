@@ -9,9 +9,9 @@ tokens and time are in every layer's ``cache.diagnostics`` (``scoring_passes``,
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .scorer import KVzipScorer, KVzipState, pass_score, repeat_prompt
+from .scorer import KVzipScorer, KVzipState, chat_reconstruction, pass_score, repeat_prompt
 
-__all__ = ["KVzipScorer", "KVzipState", "pass_score", "repeat_prompt"]
+__all__ = ["KVzipScorer", "KVzipState", "chat_reconstruction", "pass_score", "repeat_prompt"]
 
 PAPER = "https://arxiv.org/abs/2505.23416"
 

@@ -5,7 +5,7 @@ KVzip asks the model to *reconstruct* its context from the cache and keeps the s
 reconstruction needs. The context is reconstructed in pieces ``c`` of ``chunk`` tokens: a
 *scoring pass* (``kvcompress.engine.passes``) runs the whole model on::
 
-    input = prompt + (last 8 ids of the previous piece) + c         (positions after the cache)
+    input = prompt + (last 8 ids of the previous piece) + suffix + c         (after the cache)
 
 against the stored slots, nothing stored or evicted. Each stored slot ``j`` of the piece gets
 (Eq. 2 with Algorithm 1's chunked softmax)::
@@ -43,7 +43,7 @@ from attrs.validators import ge, instance_of
 from kvcompress import rows_field
 from kvcompress.ops import attention
 
-__all__ = ["KVzipScorer", "KVzipState", "pass_score", "repeat_prompt", "PREV", "REPEAT_TEXT"]
+__all__ = ["KVzipScorer", "KVzipState", "chat_reconstruction", "pass_score", "repeat_prompt", "PREV", "REPEAT_TEXT"]
 
 #: ids of the previous piece that open the next piece's reconstruction (kvpress: 8)
 PREV = 8
@@ -51,14 +51,37 @@ PREV = 8
 REPEAT_TEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
-def repeat_prompt(tokenizer) -> tuple:
-    """kvpress's repeat instruction as token ids, for ``KVzipScorer(prompt=...)``."""
+def _encode(tokenizer, text: str) -> tuple:
     enc = getattr(tokenizer, "encode")
     try:
-        ids = enc(REPEAT_TEXT, add_special_tokens=False)
+        ids = enc(text, add_special_tokens=False)
     except TypeError:
-        ids = enc(REPEAT_TEXT)
+        ids = enc(text)
     return tuple(int(i) for i in ids)
+
+
+def repeat_prompt(tokenizer) -> tuple:
+    """kvpress's repeat instruction as token ids, for ``KVzipScorer(prompt=...)``."""
+    return _encode(tokenizer, REPEAT_TEXT)
+
+
+def chat_reconstruction(tokenizer) -> dict:
+    """``{"prompt": ..., "suffix": ...}`` for ``make_prompt_cache(model, "kvzip", **...)``: the
+    reconstruction as kvpress asks it of a chat model -- the repeat instruction closes the user's
+    turn (the context), the previous piece's last ids follow, then the template's end of the user
+    turn and the assistant's header (``suffix``), after which the piece is "repeated". The suffix
+    is what the tokenizer's chat template puts between a user message and the generation prompt
+    (``"\n"`` without a template)."""
+    marker = "\n" + "#" * 13
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return {"prompt": repeat_prompt(tokenizer), "suffix": _encode(tokenizer, "\n")}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "dummy context" + marker}], add_generation_prompt=True, tokenize=False)
+    if marker not in text:
+        raise ValueError("the tokenizer's chat template does not keep the user message verbatim; "
+                         "pass KVzipScorer(prompt=..., suffix=...) token ids instead")
+    return {"prompt": repeat_prompt(tokenizer), "suffix": _encode(tokenizer, text.split(marker, 1)[1])}
 
 
 def _ids_tuple(value) -> tuple:
@@ -140,6 +163,8 @@ class KVzipScorer:
     Parameters: ``chunk`` (ids per reconstruction piece), ``interval`` (generated ids that
     trigger a decode-time reconstruction; 0 = prefill only), ``prompt`` (token ids of the
     reconstruction instruction, empty by default; :func:`repeat_prompt` builds kvpress's),
+    ``suffix`` (token ids between the previous piece's tail and the piece, empty by default;
+    :func:`chat_reconstruction` builds both from a chat template, as kvpress does),
     ``n_sink`` (first positions every piece's softmax includes; the same name sizes the
     ``lowest`` selector's protected sinks).
     """
@@ -147,6 +172,7 @@ class KVzipScorer:
     chunk: int = attrs.field(default=128, validator=[instance_of(int), ge(1)])
     interval: int = attrs.field(default=32, validator=[instance_of(int), ge(0)])
     prompt: tuple = attrs.field(default=(), converter=_ids_tuple, validator=_nonneg_ids)
+    suffix: tuple = attrs.field(default=(), converter=_ids_tuple, validator=_nonneg_ids)
     n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
 
     requires: ClassVar[frozenset] = frozenset({"queries", "positions", "tokens", "pass_weights"})
@@ -190,7 +216,7 @@ class KVzipScorer:
         return {"kvzip_waiting": list(state.waiting) if state is not None and state.waiting else 0}
 
     def pass_tokens(self, state) -> Optional[mx.array]:
-        """The next piece's pass ids ``[B, len(prompt) + 8 + L]`` (``-1``: padding; rows not
+        """The next piece's pass ids ``[B, len(prompt) + 8 + len(suffix) + L]`` (``-1``: padding; rows not
         due are all padding), or None when no row is due."""
         if state is None or state.ids is None:
             return None
@@ -199,9 +225,10 @@ class KVzipScorer:
             return None
         n = min(self.chunk, max(w for w, d in zip(state.waiting, due) if d))
         b = len(due)
-        parts = [state.prev, mx.where(state.pos[:, :n] >= 0, state.ids[:, :n], -1)]
-        if self.prompt:
-            parts.insert(0, mx.broadcast_to(mx.array(self.prompt, dtype=mx.int32)[None], (b, len(self.prompt))))
+        fixed = (lambda ids: mx.broadcast_to(mx.array(ids, dtype=mx.int32)[None], (b, len(ids))))
+        parts = [fixed(self.prompt)] if self.prompt else []
+        parts += [state.prev] + ([fixed(self.suffix)] if self.suffix else [])
+        parts.append(mx.where(state.pos[:, :n] >= 0, state.ids[:, :n], -1))
         ids = mx.concatenate(parts, axis=1)
         return ids if all(due) else mx.where(mx.array(due).reshape(-1, 1), ids, -1)
 
