@@ -425,3 +425,25 @@ def test_a_scoring_pass_frees_each_layers_probabilities_before_the_next_layer():
         peaks[method] = mx.get_peak_memory() - base
     assert cache[0].diagnostics["scoring_passes"] >= 4
     assert peaks["kvzip"] < 1.5 * peaks["snapkv"], peaks
+
+
+def test_chat_reconstruction_with_smollm2s_chatml_template():
+    """With a real chat tokenizer as mlx-lm loads it (SmolLM2's ChatML; skipped when absent): the
+    suffix closes the user turn and opens the assistant's, and the pass ids decode to kvpress's text."""
+    from conftest import models_dir
+
+    path = models_dir() / "smollm2-135m-instruct"
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"SmolLM2's tokenizer is absent ({path}); set KVCOMPRESS_MODELS_DIR")
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(path)
+    got = chat_reconstruction(tok)
+    assert tok.decode(list(got["suffix"])) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(list(got["prompt"])) == REPEAT_TEXT
+    scorer = KVzipScorer(chunk=4, **got)
+    ids = mx.arange(300, 310, dtype=mx.int32)[None]
+    st = _obs_step(scorer, scorer.init_state(None), ids, 10)
+    _, st = _consume(scorer, st, 10)
+    text = tok.decode([i for i in np.array(scorer.pass_tokens(st))[0].tolist() if i >= 0])
+    assert text.startswith(REPEAT_TEXT) and "<|im_end|>\n<|im_start|>assistant\n" in text
