@@ -8,7 +8,9 @@ so a file damaged anywhere -- header, metadata or tensor data -- is reported, ne
 digest is mandatory for a file holding kvcompress layers (a plain mlx-lm file has none and loads
 as mlx-lm's loader reads it). mlx-lm's own two functions are wrapped to do the same
 (:mod:`kvcompress.mlxlm.loader`). Files written before the digest covered the metadata (a bare
-hex digest, layers only) still load, with their layers checked.
+hex digest, layers only) still load, with their layers checked. A file written before a
+component gained a parameter loads too (its rebuilt layers name the new parameter at its
+default): the digest is then checked over the layers as the file stores them.
 
 Given ``model=``, :func:`load_prompt_cache` also refuses a cache list made for another model
 (:func:`kvcompress.mlxlm.fit.check_fit`) and installs the model hook, as
@@ -68,14 +70,38 @@ def _digest_layers(cache: list) -> str:
 def _digest(cache: list, metadata: dict) -> str:
     """``v2:<hex>``: every layer's class and state entries (with their place in the state tree),
     the number of layers, and the user metadata as mlx-lm stores it (flattened keys)."""
+    return _digest_of([type(c).__name__ for c in cache], tree_flatten([c.state for c in cache]), metadata)
+
+
+def _digest_of(classes: list, entries, metadata: dict) -> str:
     h = hashlib.blake2b(digest_size=16, person=b"kvcompress-v2")
-    h.update(json.dumps([type(c).__name__ for c in cache]).encode())
-    for key, x in tree_flatten([c.state for c in cache]):
+    h.update(json.dumps(classes).encode())
+    for key, x in entries:
         h.update(f"|{key}=".encode())
         _update(h, x)
     meta = {k: v for k, v in tree_flatten(metadata) if k != DIGEST_KEY}
     h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
     return f"{_FORMAT}:{h.hexdigest()}"
+
+
+def _stored_digest(file_name: str, metadata: dict) -> Optional[str]:
+    """:func:`_digest` of the layers *as the file stores them* (mlx-lm's encoding of strings and
+    scalars undone), so that a file written before a component gained a parameter -- which the
+    rebuilt layer's state now names with its default -- still checks; None when the file's
+    entries are not the plain list paths mlx-lm writes."""
+    arrays, flat = mx.load(file_name, return_metadata=True)
+    classes = [flat[f"1.{i}"] for i in range(sum(1 for k in flat if k.startswith("1.") and k[2:].isdigit()))]
+    kinds = {flat[k]: flat.get(k[:-1] + "1") for k in flat if k.startswith("2.") and k.count(".") == 2 and k.endswith(".0")}
+    entries = {}
+    for key, a in arrays.items():
+        kind = kinds.get(key)
+        entries[key] = (a.item() if kind == "scalar" else "".join(map(chr, a.tolist())) if kind == "string"
+                        else None if kind == "none" else a)
+    try:
+        order = sorted(entries, key=lambda k: [int(p) for p in k.split(".")])
+    except ValueError:
+        return None
+    return _digest_of(classes, [(k, entries[k]) for k in order], metadata)
 
 
 def save_prompt_cache(file_name: str, cache: list, metadata: Optional[dict] = None) -> None:
@@ -184,6 +210,8 @@ def _check_digest(file_name: str, cache: list, meta: dict, kvc_file: bool) -> No
     fmt, sep, _ = want.partition(":")
     if sep and fmt == _FORMAT:
         got = _digest(cache, meta)
+        if got != want:  # the layers as stored (a component's newer parameters change the rebuilt state)
+            got = _stored_digest(file_name, meta) or got
     elif not sep and len(want) == 32:  # written before the digest covered the metadata
         got = _digest_layers(cache)
     else:
