@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as _mlx_cache
 
 from ._autoload import DIGEST_KEY, is_kvcompress_file, original
@@ -90,8 +90,8 @@ def _stored_digest(file_name: str, metadata: dict) -> Optional[str]:
     rebuilt layer's state now names with its default -- still checks; None when the file's
     entries are not the plain list paths mlx-lm writes."""
     arrays, flat = mx.load(file_name, return_metadata=True)
-    classes = [flat[f"1.{i}"] for i in range(sum(1 for k in flat if k.startswith("1.") and k[2:].isdigit()))]
-    kinds = {flat[k]: flat.get(k[:-1] + "1") for k in flat if k.startswith("2.") and k.count(".") == 2 and k.endswith(".0")}
+    _, classes, scalars = tree_unflatten(list(flat.items()))  # mlx-lm's [metadata, classes, scalars]
+    kinds = dict(scalars[1:])  # entry path -> "scalar" | "string" | "none"
     entries = {}
     for key, a in arrays.items():
         kind = kinds.get(key)

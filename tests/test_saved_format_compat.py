@@ -92,8 +92,8 @@ def test_a_file_from_before_a_parameter_existed_loads_and_damage_is_still_found(
         assert np.array_equal(np.array(a.state[-4]), np.array(b.state[-4]))  # the same keys
 
     key = text_keys[0]
-    arrays[key] = mx.array([ord(ch) for ch in json.dumps(state).replace('"chunk": 128', '"chunk": 64')],
-                           dtype=mx.int32)
+    text = "".join(map(chr, arrays[key].tolist()))
+    arrays[key] = mx.array([ord(ch) for ch in text.replace('"chunk": 128', '"chunk": 64')], dtype=mx.int32)
     mx.save_safetensors(str(old), arrays, meta)
     with pytest.raises(CorruptCacheFile, match="damaged"):
         kvcompress.load_prompt_cache(str(old))
