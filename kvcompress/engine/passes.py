@@ -9,7 +9,8 @@ the answer is None and runs each pass against temporary per-layer views:
 
 * a :class:`PassView` holds the layer's stored slots followed by the pass tokens (keys, values,
   positions ``offset + i``); real arrays are only concatenated, never written, and nothing is
-  stored or evicted;
+  stored or evicted; with head groups (AdaKV rows) each pass token takes one slot per head of a
+  row, as a stored token does, and every query head sees only its own KV head's slots;
 * caches that are not kvcompress caches (sliding-window, SSM layers) are deep-copied;
 * each layer's scorer sees the pass as an :class:`~kvcompress.Observation` with
   ``scoring_pass=True`` (the pass's queries, the view's keys and positions, ``tokens`` the pass
@@ -35,6 +36,7 @@ from ..contexts import KEEP_STEPS, Observation, Predictions
 from ..errors import KVCompressError
 from ..storage import as_float
 from .engine import Engine
+from .slots import split_owner
 
 __all__ = ["PassView", "before_call", "after_call", "MAX_PASSES"]
 
@@ -71,24 +73,36 @@ class PassView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         c = self.cache
-        b, h, m, _ = keys.shape
-        new_pos = mx.broadcast_to(self._qpos, (b, h, m))
+        sl = c._slots
         if c.keys is None:
-            self._pos = new_pos
+            b, h, m, _ = keys.shape
+            self._pos = mx.broadcast_to(self._qpos, (b, h, m))
             return keys, values
+        # head groups: the pass's tokens join each row as its stored tokens do, one slot per head
+        keys, values = sl.group_heads(keys), sl.group_heads(values)
+        b, h, m, _ = keys.shape
+        new_pos = sl.new_pos_from(self._qpos, b, h) if sl.g > 1 else mx.broadcast_to(self._qpos, (b, h, m))
         # a pass is a whole-context forward: low-bit slots are read dequantized, like a chunk's
         v, k = as_float(c.keys_and_values()[1]), as_float(c._viewed_keys())
-        self._pos = mx.concatenate([c._slots.pos, new_pos], axis=2)
+        self._pos = mx.concatenate([sl.pos, new_pos], axis=2)
         return mx.concatenate([k, keys.astype(k.dtype)], axis=2), mx.concatenate([v, values.astype(v.dtype)], axis=2)
+
+    def _positions(self) -> tuple:
+        """The view's plain positions and, with head groups, each slot's owner head."""
+        g = self.cache._slots.g
+        if g <= 1 or self.cache.keys is None:
+            return self._pos, None, 1
+        return split_owner(self._pos) + (g,)
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """Attention under the slots' positions (the stored slots' exact mask, causal in the pass)."""
         self._keys = keys
         # a model's additive mask is part of its attention scores (MLA's RoPE part): keep it
         self._bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
+        pos, owner, g = self._positions()
         out, self._weights = ops.attention(
-            queries, keys, values, scale, self._pos, self._qpos, sinks=sinks, bias=self._bias,
-            mass="weights" if self.cache._wants_pass_weights else None,
+            queries, keys, values, scale, pos, self._qpos, sinks=sinks, bias=self._bias,
+            mass="weights" if self.cache._wants_pass_weights else None, owner=owner, heads_per_row=g,
         )
         self._out = out
         return out
@@ -103,11 +117,13 @@ class PassView:
         scores = mx.zeros((b, h, self._pos.shape[-1]), mx.float32)
         if self._t:
             scores = mx.concatenate([c._slots.score, scores[..., self._t :]], axis=-1)
+        pos, owner, g = self._positions()
         obs = Observation(
-            queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
+            queries=queries, keys=self._keys, positions=pos, query_positions=self._qpos,
             n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._rows.seen()), layer=c.info,
             n_valid=(self._m,) * b, query_weight=self._weight, state=_state.snapshot(c._states["scorer"]),
             tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group, weights=self._weights,
+            owner=owner, heads_per_row=g,
         )
         new = c.method.scorer.observe(scores, obs)
         if new.shape[1] != h:  # attention over per-head projections of shared KV (MLA): the group's mean

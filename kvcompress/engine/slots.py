@@ -23,10 +23,15 @@ import mlx.core as mx
 
 from ..storage import as_float, concat_slots, contiguous, fill_from_end, pad_slots, put_slots, take_slots, zeros_like_rows
 
-__all__ = ["Slots", "OWNER_SHIFT"]
+__all__ = ["Slots", "OWNER_SHIFT", "split_owner"]
 
 OWNER_SHIFT = 24  # head-group owner bits above the position (positions < 2**24 tokens)
 _POS_MASK = (1 << OWNER_SHIFT) - 1
+
+
+def split_owner(pos: mx.array) -> tuple:
+    """Packed slot positions (head groups) -> ``(positions, owner heads)``, ``-1`` where empty."""
+    return mx.where(pos >= 0, pos & _POS_MASK, -1), mx.where(pos >= 0, pos >> OWNER_SHIFT, -1)
 
 
 class Slots:
@@ -61,13 +66,13 @@ class Slots:
         """Token position of each slot (-1: empty), without the head-group owner bits."""
         if self.g <= 1:
             return self.pos
-        return mx.where(self.pos >= 0, self.pos & _POS_MASK, -1)
+        return split_owner(self.pos)[0]
 
     def owner(self):
         """Head of each slot within its row (head groups only; -1: empty), else None."""
         if self.g <= 1:
             return None
-        return mx.where(self.pos >= 0, self.pos >> OWNER_SHIFT, -1)
+        return split_owner(self.pos)[1]
 
     def holes(self, held: list) -> bool:
         """Whether some row holds fewer slots than the width (empty slots in it)."""
@@ -94,11 +99,16 @@ class Slots:
         """Positions of a step's tokens (offsets before the step; -1 for padding), ``g`` slots
         per token with head groups (the owner in the high bits)."""
         if self.g > 1:
-            pos = _token_positions(offsets, valid, S, b, 1)  # [B, 1, S]
-            owner = mx.arange(self.g, dtype=mx.int32).reshape(1, 1, 1, self.g) << OWNER_SHIFT
-            packed = mx.where(pos[..., None] >= 0, pos[..., None] | owner, -1)  # [B, 1, S, g]
-            return mx.broadcast_to(packed.reshape(pos.shape[0], 1, S * self.g), (b, h, S * self.g))
+            return self.new_pos_from(_token_positions(offsets, valid, S, b, 1), b, h)
         return _token_positions(offsets, valid, S, b, h)
+
+    def new_pos_from(self, pos: mx.array, b: int, h: int) -> mx.array:
+        """Token positions ``[B, 1, S]`` (-1: none) as the ``[B, h, S * g]`` packed positions of
+        their slots in rows of ``g`` heads (token-major, as :meth:`group_heads` lays keys out)."""
+        S = pos.shape[-1]
+        owner = mx.arange(self.g, dtype=mx.int32).reshape(1, 1, 1, self.g) << OWNER_SHIFT
+        packed = mx.where(pos[..., None] >= 0, pos[..., None] | owner, -1)  # [B, 1, S, g]
+        return mx.broadcast_to(packed.reshape(pos.shape[0], 1, S * self.g), (b, h, S * self.g))
 
     def group_heads(self, a: mx.array) -> mx.array:
         """``[B, H, S, D]`` -> ``[B, H / g, S * g, D]``: rows of ``g`` heads, token-major

@@ -125,7 +125,7 @@ def _pad_cols(x: mx.array, width: int) -> mx.array:
 
 
 def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink, first_pass, query_weight=None,
-               bias=None):
+               bias=None, owner=None, heads_per_row=1):
     """``[B, H_kv, T]`` float32: Algorithm 1's score of every slot (meaningful for the piece's
     slots ``lo <= p <= hi``): the largest softmax weight any pass query of the KV head's group
     gives it, the softmax restricted to sinks (``p < n_sink``), the piece and the pass's own
@@ -134,7 +134,7 @@ def pass_score(queries, keys, positions, query_positions, scale, lo, hi, n_sink,
     keep = (p >= 0) & ((p < n_sink) | ((p >= lo) & (p <= hi)) | (p >= first_pass))
     return attention(
         queries, keys, None, scale, mx.where(keep, p, -1), query_positions,
-        query_weight=query_weight, mass="max", bias=bias,
+        query_weight=query_weight, mass="max", bias=bias, owner=owner, heads_per_row=heads_per_row,
     )[1]
 
 
@@ -176,7 +176,7 @@ class KVzipScorer:
     n_sink: int = attrs.field(default=4, validator=[instance_of(int), ge(0)])
 
     requires: ClassVar[frozenset] = frozenset({"queries", "positions", "tokens", "pass_weights"})
-    provides: ClassVar[frozenset] = frozenset({"reconstruction"})
+    provides: ClassVar[frozenset] = frozenset({"reconstruction", "head_groups"})
 
     def init_state(self, layer) -> KVzipState:
         return KVzipState()
@@ -275,7 +275,8 @@ class KVzipScorer:
             mass = _renormalised_max(obs.weights, p, in_piece, self.n_sink, first_pass, obs.query_weight)
         else:
             mass = pass_score(obs.queries, obs.keys, obs.positions, obs.query_positions, obs.scale,
-                              lo, hi, self.n_sink, first_pass, obs.query_weight, obs.bias)
+                              lo, hi, self.n_sink, first_pass, obs.query_weight, obs.bias, obs.owner,
+                              obs.heads_per_row)
         scores = mx.where(in_piece, mass, scores)
         piece = mx.where(piece_pos >= 0, st.ids[:, :n], -1)
         ids_r, pos_r = _left_align(mx.concatenate([st.prev, piece], axis=1),
