@@ -20,6 +20,11 @@ is read from those probabilities (``pass_weights``) instead of a second attentio
 restricted set below float32's range of the row's maximum, ~87 nats, would score 0; the
 direct :func:`pass_score` serves models whose attention bypasses the cache).
 
+Head-wise budgets (``selector="adaptive"``, capability ``head_groups``): a row of slots holds
+several KV heads, each slot tagged with its owner; the pass's attention is owner-masked, so
+every (head, token) scores what it scores with one head per row, and the layer's heads are then
+ranked together (closer to the paper's global ranking than equal per-head counts).
+
 When pieces are reconstructed (each step's token ids wait in the scorer state, as provisional
 score 1, so they are never evicted unscored):
 
