@@ -19,22 +19,13 @@ def _scores_by_head(cache, n_tokens: int) -> list:
     """Per layer ``[B, H_kv, n_tokens]``: each (head, position)'s running score (NaN: not stored)."""
     out = []
     for layer in cache:
-        sl = layer._slots
-        pos, score = np.array(sl.positions()), np.array(sl.score)
-        b = pos.shape[0]
-        h = layer.info.n_kv_heads
-        s = np.full((b, h, n_tokens), np.nan)
-        if sl.g > 1:
-            own = np.array(sl.owner())
-            for bi in range(b):
-                for r in range(pos.shape[1]):
-                    real = pos[bi, r] >= 0
-                    s[bi, r * sl.g + own[bi, r][real], pos[bi, r][real]] = score[bi, r][real]
-        else:
-            for bi in range(b):
-                for k in range(h):
-                    real = pos[bi, k] >= 0
-                    s[bi, k, pos[bi, k][real]] = score[bi, k][real]
+        _, _, pos, score = layer.head_view()
+        pos, score = np.array(pos), np.array(score)
+        s = np.full(pos.shape[:2] + (n_tokens,), np.nan)
+        for bi in range(pos.shape[0]):
+            for k in range(pos.shape[1]):
+                real = pos[bi, k] >= 0
+                s[bi, k, pos[bi, k][real]] = score[bi, k][real]
         out.append(s)
     return out
 
@@ -57,7 +48,7 @@ def test_pass_scores_do_not_depend_on_the_row_layout(heads, kv_heads, b, dtype):
         model(ids[:, -1:], cache=cache)  # the last chunk's pieces are reconstructed before this call
         assert cache[0].diagnostics["scoring_passes"] > 0
         got[sel] = _scores_by_head(cache, 241)
-    assert cache[0]._slots.g == kv_heads  # one row holds every head
+    assert cache[0].heads_per_row == kv_heads  # one row holds every head
     for plain, grouped in zip(got["lowest"], got["adaptive"]):
         assert not np.isnan(plain[..., :240]).any() and not np.isnan(grouped[..., :240]).any()
         # bfloat16: the layer's outputs round in another order, which reaches the next layer
