@@ -57,7 +57,8 @@ class PassView:
         self._qpos = mx.where((ids >= 0)[:, None, :] & (qpos >= 0), qpos, -1)  # [B, 1, M]
         self._weight = (self._qpos >= 0).astype(mx.float32)
         self._t = 0 if cache.keys is None else cache._slots.n
-        self._pos = self._keys = self._bias = self._weights = self._out = None
+        self._pos = self._owner = self._keys = self._bias = self._weights = self._out = None
+        self._g = 1  # KV heads per row of slots (head groups), once the view holds the stored ones
         # what models read from a cache (pipeline models chain their last cache's keys to the
         # output with mx.depends): the view's own reference, so the real cache is never written
         self.keys = cache.keys
@@ -85,24 +86,18 @@ class PassView:
         # a pass is a whole-context forward: low-bit slots are read dequantized, like a chunk's
         v, k = as_float(c.keys_and_values()[1]), as_float(c._viewed_keys())
         self._pos = mx.concatenate([sl.pos, new_pos], axis=2)
+        if sl.g > 1:  # plain positions and each slot's owner head, read by attend and observe
+            (self._pos, self._owner), self._g = split_owner(self._pos), sl.g
         return mx.concatenate([k, keys.astype(k.dtype)], axis=2), mx.concatenate([v, values.astype(v.dtype)], axis=2)
-
-    def _positions(self) -> tuple:
-        """The view's plain positions and, with head groups, each slot's owner head."""
-        g = self.cache._slots.g
-        if g <= 1 or self.cache.keys is None:
-            return self._pos, None, 1
-        return split_owner(self._pos) + (g,)
 
     def attend(self, sdpa, queries, keys, values, scale, mask, sinks=None):
         """Attention under the slots' positions (the stored slots' exact mask, causal in the pass)."""
         self._keys = keys
         # a model's additive mask is part of its attention scores (MLA's RoPE part): keep it
         self._bias = mask if isinstance(mask, mx.array) and mask.dtype != mx.bool_ else None
-        pos, owner, g = self._positions()
         out, self._weights = ops.attention(
-            queries, keys, values, scale, pos, self._qpos, sinks=sinks, bias=self._bias,
-            mass="weights" if self.cache._wants_pass_weights else None, owner=owner, heads_per_row=g,
+            queries, keys, values, scale, self._pos, self._qpos, sinks=sinks, bias=self._bias,
+            mass="weights" if self.cache._wants_pass_weights else None, owner=self._owner, heads_per_row=self._g,
         )
         self._out = out
         return out
@@ -117,13 +112,12 @@ class PassView:
         scores = mx.zeros((b, h, self._pos.shape[-1]), mx.float32)
         if self._t:
             scores = mx.concatenate([c._slots.score, scores[..., self._t :]], axis=-1)
-        pos, owner, g = self._positions()
         obs = Observation(
-            queries=queries, keys=self._keys, positions=pos, query_positions=self._qpos,
+            queries=queries, keys=self._keys, positions=self._pos, query_positions=self._qpos,
             n_new=self._m, scale=scale, offset=c._offset(), offsets=tuple(c._rows.seen()), layer=c.info,
             n_valid=(self._m,) * b, query_weight=self._weight, state=_state.snapshot(c._states["scorer"]),
             tokens=self._ids, scoring_pass=True, bias=self._bias, group=c.group, weights=self._weights,
-            owner=owner, heads_per_row=g,
+            owner=self._owner, heads_per_row=self._g,
         )
         new = c.method.scorer.observe(scores, obs)
         if new.shape[1] != h:  # attention over per-head projections of shared KV (MLA): the group's mean
