@@ -168,10 +168,14 @@ def attention(
     the queries' dtype or None, mass or None)``.
     """
     quantized = isinstance(keys, QuantizedSlots) or isinstance(values, QuantizedSlots)
-    if (mass == "group" and queries.shape[2] == 1 and key_positions is None and mask is None and values is not None
-            and bias is None and query_weight is None and not extra and sinks is None and owner is None
-            and not quantized):
+    plain = (queries.shape[2] == 1 and mask is None and values is not None and bias is None and query_weight is None
+             and not extra and sinks is None and not quantized)  # a decode step: straight-line paths
+    if plain and mass == "group" and key_positions is None and owner is None:
         return _one_query(queries, keys, values, scale)
+    if (plain and owner is not None and heads_per_row > 1 and key_positions is not None and mass in (None, "group")
+            and last is None and mx.default_device() == mx.cpu
+            and queries.shape[0] * queries.shape[1] * keys.shape[2] <= FAST_SOFTMAX_MAX):
+        return _one_query_owned(queries, keys, values, scale, key_positions, query_positions, owner, heads_per_row, mass)
     if quantized:  # low-bit slots (kvcompress.storage): codes read directly, or dequantized for a chunk
         keys, values = for_step(keys, queries.shape[2]), for_step(values, queries.shape[2])
     if mass not in (None, "group", "heads", "max", "weights"):
@@ -275,6 +279,34 @@ def _one_query(queries, keys, values, scale):
     out = grouped_matmul(w, _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
     total = w.sum(axis=-2)
     return out, (total.mean(axis=2) if g > 1 else total[:, :, 0])
+
+
+def _owned_core(q, kt, v, owner, pos, qpos, ids):
+    """``q [B, R, G, D]`` (scaled) over ``kt [B, R, D, T]``, ``v``: head ``k`` sees slot ``t`` iff
+    ``owner[t] == ids[k]`` and ``0 <= pos[t] <= qpos`` (:func:`attention`'s mask and softmax)."""
+    vis = (owner[:, :, None, :] == ids) & (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= qpos)
+    x = mx.where(vis, q @ kt, NEG)
+    e = _exp_nonpositive(x - x.max(axis=-1, keepdims=True))
+    w = e / e.sum(axis=-1, keepdims=True)
+    return w @ v, w
+
+
+#: shapeless: one trace serves every store width (a cache below its budget grows every step)
+_OWNED = mx.compile(_owned_core, shapeless=True) if COMPILE else _owned_core
+
+
+def _one_query_owned(queries, keys, values, scale, key_positions, query_positions, owner, heads_per_row, mass):
+    """A decode step over head-group rows (small logits, CPU) as one compiled graph: the general
+    path's operations, the same bits, ~1.5x faster."""
+    b, h_q, _, d = queries.shape
+    r = keys.shape[1]
+    g = h_q // r
+    ids = (mx.arange(g, dtype=owner.dtype) // (g // heads_per_row)).reshape(1, 1, g, 1)
+    q = _f32(queries).reshape(b, r, g, d) * scale
+    out, w = _OWNED(q, _f32(keys).swapaxes(-1, -2), _f32(values), owner, key_positions,
+                    query_positions.reshape(-1, 1, 1, 1), ids)
+    out = out.reshape(b, h_q, 1, -1).astype(queries.dtype)
+    return out, (w.mean(axis=2) * heads_per_row if mass == "group" else None)
 
 
 def _finish_block(out, total) -> None:

@@ -81,6 +81,30 @@ def test_ops_attention_one_query_path_equals_the_general_path(dtype, b, h_q, h_k
                                atol=2e-2 if dtype != mx.float32 else 2e-5)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("b,h_q,rows,per_row", [(1, 16, 1, 4), (2, 9, 1, 3), (3, 8, 2, 2)])
+@pytest.mark.parametrize("mass", [None, "group"])
+def test_head_group_decode_path_equals_the_general_path_at_every_width(dtype, b, h_q, rows, per_row, mass):
+    """A decode step over head-group rows (each query head sees its own KV head's slots, empty
+    slots and later positions hidden) runs one compiled graph traced once for every store width:
+    the same output and mass, bit for bit, as the general masked path (forced here by a query
+    weight of one), at a width and at narrower ones (a row below its budget grows every step)."""
+    t, d = 40, 16
+    q = mx.random.normal((b, h_q, 1, d), key=mx.random.key(80)).astype(dtype)
+    k, v = (x.astype(dtype) for x in _kv(b, rows, t, d, seed=81))
+    owner = mx.random.randint(-1, per_row, (b, rows, t), key=mx.random.key(82)).astype(mx.int32)
+    pos = mx.where(owner >= 0, mx.random.randint(0, t + 4, (b, rows, t), key=mx.random.key(83)), -1).astype(mx.int32)
+    qpos = mx.array([t, t - 5, t + 2][:b], dtype=mx.int32).reshape(b, 1, 1)
+    for w in (t, t - 1, t - 7):
+        kw = dict(mass=mass, owner=owner[..., :w], heads_per_row=per_row)
+        got = ops.attention(q, k[..., :w, :], v[..., :w, :], 0.25, pos[..., :w], qpos, **kw)
+        want = ops.attention(q, k[..., :w, :], v[..., :w, :], 0.25, pos[..., :w], qpos, **kw,
+                             query_weight=mx.ones((b, 1, 1)))
+        assert got[0].dtype == dtype and mx.array_equal(got[0], want[0]).item()
+        assert (got[1] is None) == (mass is None)
+        assert mass is None or mx.array_equal(got[1], want[1]).item()
+
+
 def test_cpu_exp_is_within_two_ulp_of_the_exact_exponential_and_zero_below_its_floor():
     """``ops._exp_nonpositive`` (the CPU softmax's exp) against float64 ``exp`` over the whole
     float32 range it serves, compiled (as used) and eager: at most 2 ulp, exactly 1 at 0,
