@@ -121,7 +121,25 @@ def _rebuild(cls, state, registry=None):
     if not state or not isinstance(state[-1], str):
         raise ConfigError("not a kvcompress cache state: its last entry must be the JSON metadata")
     m = json.loads(state[-1])
-    method = build_method(m["config"], registry=registry or LOAD_REGISTRY.get())
+    method = build_method(_as_saved(m["config"], registry or LOAD_REGISTRY.get()), registry=registry or LOAD_REGISTRY.get())
     info = LayerInfo(**m["info"])
     group = join(f"load:{m['group']}", info.layer, group_id=m["group"])
     return cls.restore(method, int(m["budget"]), state, info, group)
+
+
+def _as_saved(config, registry=None):
+    """A saved config with each named component's parameters completed by that component's own
+    defaults: a file records every parameter its components had, so one they gained since takes
+    the component's default (its behaviour before), not a method default added with it."""
+    from .components import KINDS
+    from .registry import get_registry
+
+    if not isinstance(config, dict):
+        return config
+    reg = registry or get_registry()
+    out = dict(config)
+    for kind in KINDS:
+        table = out.get(kind)
+        if isinstance(table, dict) and isinstance(table.get("name"), str):
+            out[kind] = {**reg.component(kind, table["name"]).params(), **table}
+    return out
