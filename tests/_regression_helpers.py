@@ -22,6 +22,7 @@ PARAMS = {
     "chunkkv": dict(recent=4, chunk=4),
     "tova_chunk": dict(chunk=4),
     "selfinfo": dict(recent=4, span=4, step=4),
+    "adakv": dict(recent=4, step=4),
 }
 
 

@@ -246,7 +246,7 @@ def test_generate_continues_a_saved_cache_without_repeating_the_opening(
 def test_cache_report_compares_held_bytes_with_mlx_lm_kvcache(tiny_model, method):
     """Also a bug: with head groups (adakv stores several KV heads per row) the full cache's
     bytes counted storage rows as heads (the report said the full cache was smaller)."""
-    caches = kvcompress.make_prompt_cache(tiny_model, method, budget=16, **({"recent": 4} if method == "adakv" else {}))
+    caches = kvcompress.make_prompt_cache(tiny_model, method, budget=16, **({"recent": 4, "step": 4} if method == "adakv" else {}))
     full = [KVCache() for _ in caches]
     tokens = (mx.arange(1, 271) % 90 + 1)[None]
     steps = [tokens[:, :250], *(tokens[:, t:t + 1] for t in range(250, 270))]  # prefill, then decode past 256

@@ -30,7 +30,7 @@ def test_diagnostics_report_token_and_byte_compression(method):
     Bug (adakv): with head groups (several KV heads per storage row) the full cache's bytes
     counted storage rows as heads, so ``compression_bytes`` was ``kv_heads`` times too small."""
     model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=97, seed=2, dtype=mx.float16)
-    caches = kvcompress.make_prompt_cache(model, method, budget=16, **({"recent": 4} if method == "adakv" else {}))
+    caches = kvcompress.make_prompt_cache(model, method, budget=16, **({"recent": 4, "step": 4} if method == "adakv" else {}))
     plain = [mlx_cache.KVCache() for _ in model.layers]
     tokens = mx.array([prompt_tokens(512)])
     for c in (caches, plain):

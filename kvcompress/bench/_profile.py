@@ -224,6 +224,7 @@ def _component_ms(kind: str, s, n: int) -> dict:
 
     evict = select_fn().astype(mx.int32)
     mx.eval(evict)
+    slot = evict[..., :1]  # the incoming token's slot (a selector may free more at once: evict_count)
 
     def dispose_fn():
         return m.disposition.dispose(Eviction(keys=k, values=v, scores=score, positions=pos, evict=evict,
@@ -232,12 +233,12 @@ def _component_ms(kind: str, s, n: int) -> dict:
 
     def write_fn():  # the slot write of the incoming token (4 put_along_axis)
         b, h = k.shape[:2]
-        idx = mx.broadcast_to(evict[..., None], (b, h, 1, k.shape[-1]))
+        idx = mx.broadcast_to(slot[..., None], (b, h, 1, k.shape[-1]))
         return [
             mx.put_along_axis(k, idx, k[..., :1, :], axis=2),
             mx.put_along_axis(v, idx, v[..., :1, :], axis=2),
-            mx.put_along_axis(pos, evict, pos[..., :1], axis=2),
-            mx.put_along_axis(score, evict, mx.zeros(evict.shape, mx.float32), axis=2),
+            mx.put_along_axis(pos, slot, pos[..., :1], axis=2),
+            mx.put_along_axis(score, slot, mx.zeros(slot.shape, mx.float32), axis=2),
         ]
 
     return {

@@ -15,7 +15,10 @@ sinks, recent window and ``ceil(alpha x C)`` best slots. Scores must be comparab
 (attention masses are: each head's softmax sums to one per query).
 
 Cost: a query head attends the ``g x C`` slots of its row under a mask (decode attention does
-``g`` times the work of uniform budgets); ``heads`` trades flexibility for speed.
+``g`` times the work of uniform budgets); ``heads`` trades flexibility for speed. ``step``: each
+eviction frees a multiple of ``step`` slots of the row (the method's default 16; at least the
+``g`` a decode step needs), so decode ranks each head's slots once every ``step / g`` tokens
+instead of every token, and the following tokens refill the freed slots first.
 """
 
 from __future__ import annotations
@@ -52,11 +55,13 @@ def head_ranks(scores: mx.array, owner: mx.array, g: int) -> mx.array:
 class AdaptiveSelector(LowestScoreSelector):
     """Evict the lowest-score slots of a head group's row; every head keeps what the ``lowest``
     selector protects (its sinks and its ``max(recent, floor(recent_ratio * C))`` most recent
-    tokens) and its ``ceil(alpha * C)`` best."""
+    tokens) and its ``ceil(alpha * C)`` best; ``step`` rounds each eviction up to a multiple of
+    ``step`` slots."""
 
     n_sink: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
     alpha: float = attrs.field(default=0.2, converter=float, validator=[ge(0.0), le(1.0)])
     heads: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
+    step: int = attrs.field(default=1, validator=[instance_of(int), ge(1)])
 
     requires: ClassVar[frozenset] = frozenset()  # head_groups from scorer and disposition (checked at build)
     provides: ClassVar[frozenset] = frozenset({"protection", "head_wise_budgets"})
@@ -82,8 +87,13 @@ class AdaptiveSelector(LowestScoreSelector):
         return min(math.ceil(self.alpha * budget), budget - 1)
 
     def reserved(self, budget: int) -> int:
-        # the floor counts a head's protected tokens first (they rank best), so they overlap
-        return max(super().reserved(budget), self._floor(budget))
+        # the floor counts a head's protected tokens first (they rank best), so they overlap;
+        # an eviction rounded up to ``step`` slots may take up to ``step - 1`` more
+        return max(super().reserved(budget), self._floor(budget)) + self.step - 1
+
+    def evict_count(self, n_evict: int) -> int:
+        """``step * ceil(E / step)``: the slots :meth:`select` frees when ``E`` are needed."""
+        return self.step * math.ceil(n_evict / self.step)
 
     def select(self, sel) -> mx.array:
         protected = sel.protected
@@ -91,4 +101,4 @@ class AdaptiveSelector(LowestScoreSelector):
             floor = self._floor(sel.budget)
             best = head_ranks(mx.where(protected, mx.inf, sel.scores), sel.owner, sel.heads_per_row)
             protected = protected | (best < floor)
-        return lowest_k(sel.scores, sel.positions, sel.n_evict, ordered=sel.row_counts is not None, exclude=protected)
+        return lowest_k(sel.scores, sel.positions, self.evict_count(sel.n_evict), ordered=sel.row_counts is not None, exclude=protected)
