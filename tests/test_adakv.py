@@ -208,3 +208,18 @@ def test_make_mask_width_is_the_step_rule_with_head_groups(prompt, step, evict_s
         assert widths["adakv"] == widths["snapkv"]
     else:
         assert all(a <= b for a, b in zip(widths["adakv"], widths["snapkv"]))
+
+
+def test_step_rounds_evictions_up_and_reserves_room_for_them():
+    """``step`` frees whole multiples of ``step`` slots; the budget must leave the ``step - 1``
+    extra slots evictable, and a smaller one is refused naming the smallest that builds."""
+    sel = AdaptiveSelector(recent=4, alpha=0.2, step=16)
+    assert [sel.evict_count(e) for e in (1, 3, 16, 17)] == [16, 16, 16, 32]
+    assert sel.reserved(64) == max(4, math.ceil(0.2 * 64)) + 15
+    assert AdaptiveSelector(recent=4, alpha=0.2).evict_count(3) == 3  # the component's default: exact
+    with pytest.raises((TypeError, ValueError)):
+        AdaptiveSelector(step=0)
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
+    with pytest.raises(ConfigError, match="smallest budget that builds is 48"):
+        kvcompress.make_prompt_cache(model, "adakv", budget=40)
+    assert kvcompress.make_prompt_cache(model, "adakv", budget=48)[0].method.selector.step == 16
