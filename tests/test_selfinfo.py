@@ -10,7 +10,7 @@ import pytest
 import kvcompress
 from kvcompress import Predictions
 from kvcompress.mlxlm.attention import base_class
-from kvcompress_selfinfo import UNKNOWN, SelfInfoScorer, special_ids
+from kvcompress_selfinfo import UNKNOWN, SelfInfoScorer, digit_ids, special_ids
 
 from conftest import tiny_llama
 
@@ -240,11 +240,42 @@ def test_keep_ids_stay_with_their_units():
     np.testing.assert_allclose([held[(5,)][p] for p in others], ref[others], rtol=1e-4, atol=1e-4)
 
 
+def test_floor_ids_score_at_least_the_floor_and_nothing_else_changes():
+    """``floor_ids`` / ``floor`` (e.g. the digits of numbers): those tokens score
+    ``max(I, floor)``, every other token its surprisal, the first token UNKNOWN."""
+    model = tiny_llama()
+    ids = _ids(120, seed=9)
+    ref = _surprisal(model, ids)
+    floor, low = float(np.nanmedian(ref)), (5, 7, 11)
+    cache = kvcompress.make_prompt_cache(model, "selfinfo", budget=4096, top_k=97, floor_ids=low, floor=floor)
+    for a in range(0, 120, 24):
+        mx.eval(model(ids[:, a : a + 24], cache=cache))
+    tok = np.array(ids)[0]
+    raised = [p for p in range(1, 120) if tok[p] in low and ref[p] < floor]
+    assert raised  # the case under test: some floored tokens were less surprising than the floor
+    for c in cache:
+        pos, score = _slots(c)
+        for p, x in zip(pos[0].ravel(), score[0].ravel()):
+            if p > 0:
+                want = max(ref[p], floor) if tok[p] in low else ref[p]
+                assert x == pytest.approx(want, rel=1e-4, abs=1e-4), p
+            elif p == 0:
+                assert x == UNKNOWN
+    with pytest.raises((TypeError, ValueError)):
+        SelfInfoScorer(floor=-1.0)
+
+
 def test_selfinfo_scorer_validates():
     class Tok:
         all_special_ids = [2, 0, 1, 2]
 
     assert special_ids(Tok()) == (0, 1, 2) and SelfInfoScorer(keep_ids=special_ids(Tok())).keep_ids == (0, 1, 2)
+
+    class Vocab:  # GPT-2 style (Ġ = a leading space), SentencePiece style (▁), multi-digit tokens
+        def get_vocab(self):
+            return {"7": 12, "\u01201990": 40, "\u258142": 3, "x1": 5, "1.5": 6, "\u0120": 7, "\u0663": 8, "12a": 9}
+
+    assert digit_ids(Vocab()) == (3, 12, 40)
     with pytest.raises((TypeError, ValueError)):
         SelfInfoScorer(top_k=0)
     with pytest.raises(kvcompress.ConfigError, match="keep_ids"):

@@ -10,10 +10,10 @@ model that returns logits.
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .scorer import UNKNOWN, SelfInfoScorer, SelfInfoState, special_ids
+from .scorer import UNKNOWN, SelfInfoScorer, SelfInfoState, digit_ids, special_ids
 from .selector import SpanSelector
 
-__all__ = ["SelfInfoScorer", "SelfInfoState", "SpanSelector", "UNKNOWN", "special_ids"]
+__all__ = ["SelfInfoScorer", "SelfInfoState", "SpanSelector", "UNKNOWN", "digit_ids", "special_ids"]
 
 PAPER = "https://arxiv.org/abs/2310.06201"
 

@@ -23,6 +23,10 @@ Scores are float32 and the same for every head and layer: a token-level decision
 that hold them stay while the budget holds them, e.g. a chat template's turn markers
 (:func:`special_ids`). Empty by default: on SmolLM2-135M at 2k, 4x keeping the markers lost
 later turns (the held turns crowd facts out; docs/methods/selfinfo.md).
+
+``floor_ids`` / ``floor``: token ids scored at least ``floor`` nats, ``max(I, floor)`` -- a
+bounded weight, not a guarantee, e.g. the digits of numbers (:func:`digit_ids`): a digit costs
+the model about ``log 10`` nats, so a number sums less than the words around it and leaves first.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from attrs.validators import and_, deep_iterable, ge, instance_of
 
 from kvcompress import rows_field
 
-__all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN", "special_ids"]
+__all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN", "digit_ids", "special_ids"]
 
 #: the score of a token whose prediction is unknown (kept ahead of every predicted token)
 UNKNOWN = 1.0e4
@@ -46,6 +50,17 @@ def special_ids(tokenizer) -> tuple:
     """A Hugging Face / mlx-lm tokenizer's special token ids (BOS, EOS, a chat template's turn
     markers), sorted, for ``SelfInfoScorer(keep_ids=...)``."""
     return tuple(sorted({int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()}))
+
+
+def digit_ids(tokenizer) -> tuple:
+    """A Hugging Face / mlx-lm tokenizer's ids of the tokens made only of ASCII digits (after a
+    leading space marker), sorted, for ``SelfInfoScorer(floor_ids=...)``."""
+    out = set()
+    for tok, i in tokenizer.get_vocab().items():
+        t = tok.lstrip(" \u0120\u2581")  # GPT-2's and SentencePiece's space markers
+        if t and t.isascii() and t.isdigit():
+            out.add(int(i))
+    return tuple(sorted(out))
 
 
 @attrs.define
@@ -62,10 +77,13 @@ class SelfInfoScorer:
     """Self-information ``I(x_t) = -log P(x_t | x_<t)`` of every stored token (Eq. 1), from the
     model's own predictions; see the module docstring. ``top_k``: ids of the previous call's
     last prediction the state keeps (for the next call's first token); ``keep_ids``: token ids
-    scored :data:`UNKNOWN` (kept ahead of every predicted token)."""
+    scored :data:`UNKNOWN` (kept ahead of every predicted token); ``floor_ids``: token ids scored
+    at least ``floor`` nats."""
 
     top_k: int = attrs.field(default=64, validator=[instance_of(int), ge(1)])
     keep_ids: tuple = attrs.field(default=(), converter=tuple, validator=deep_iterable(and_(instance_of(int), ge(0))))
+    floor_ids: tuple = attrs.field(default=(), converter=tuple, validator=deep_iterable(and_(instance_of(int), ge(0))))
+    floor: float = attrs.field(default=0.0, converter=float, validator=ge(0.0))
 
     requires: ClassVar[frozenset] = frozenset({"positions", "tokens", "predictions"})
     provides: ClassVar[frozenset] = frozenset()
@@ -81,7 +99,7 @@ class SelfInfoScorer:
     def observe_predictions(self, scores: mx.array, obs) -> mx.array:
         pred, st = obs.predictions, obs.state or SelfInfoState()
         n_valid = tuple(obs.n_valid or (obs.n_new,) * len(obs.offsets))
-        key = ("selfinfo", self.top_k, self.keep_ids, st.ids, st.logp, tuple(obs.offsets), n_valid)
+        key = ("selfinfo", self.top_k, self.keep_ids, self.floor_ids, self.floor, st.ids, st.logp, tuple(obs.offsets), n_valid)
         info, start, valid, ids, logp = pred.once(key, lambda: self._token_info(pred, st, obs.tokens, obs.offsets, n_valid))
         obs.state = SelfInfoState(ids=ids, logp=logp)
         p = obs.positions
@@ -109,6 +127,9 @@ class SelfInfoScorer:
         # a prediction exists when the token before is real: in this call, or the previous one
         before = mx.concatenate([mx.full((b, 1), st.ids is not None), qpos[:, :-1] >= 0], axis=1) & (qpos > 0)
         info = mx.where(before & ~mx.isnan(info), info, UNKNOWN)
+        if self.floor_ids and self.floor > 0:  # at least ``floor`` nats (a bounded weight, not a guarantee)
+            low = (tok[:, :, None] == mx.array(self.floor_ids, dtype=mx.int32)).any(axis=-1)
+            info = mx.where(low, mx.maximum(info, self.floor), info)
         if self.keep_ids:
             keep = (tok[:, :, None] == mx.array(self.keep_ids, dtype=mx.int32)).any(axis=-1)
             info = mx.where(keep, UNKNOWN, info)
