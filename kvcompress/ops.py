@@ -42,11 +42,8 @@ EVAL_BLOCKS_ABOVE = 1 << 24
 
 
 def visibility(key_positions: mx.array, query_positions: mx.array) -> mx.array:
-    """Bool ``[B, H, N, T]``: ``0 <= p_j <= q_i``.
-
-    ``key_positions`` ``[B, H, T]`` int (``-1`` = empty slot); ``query_positions`` ``[B, 1, N]``
-    (or anything broadcastable to it, e.g. ``[N]``).
-    """
+    """Bool ``[B, H, N, T]``: ``0 <= p_j <= q_i``; ``key_positions`` ``[B, H, T]`` int (``-1`` =
+    empty slot), ``query_positions`` ``[B, 1, N]`` (or broadcastable to it, e.g. ``[N]``)."""
     kp = key_positions[..., None, :]
     qp = query_positions[..., :, None]
     return (kp >= 0) & (kp <= qp)
@@ -344,11 +341,8 @@ def _block_mask(mask, i0: int, i1: int, n: int, t: int, h_kv: int, g: int):
 def attention_mass(queries, keys, scale, key_positions, query_positions, *, query_weight=None, last=None,
                    bias=None, owner=None, heads_per_row=1):
     """``[B, H_kv, T]`` float32: :func:`attention`'s mass (mean over each GQA group) alone."""
-    return attention(
-        queries, keys, None, scale, key_positions, query_positions,
-        query_weight=query_weight, mass="group", last=last, bias=bias, owner=owner,
-        heads_per_row=heads_per_row,
-    )[1]
+    return attention(queries, keys, None, scale, key_positions, query_positions, query_weight=query_weight,
+                     mass="group", last=last, bias=bias, owner=owner, heads_per_row=heads_per_row)[1]
 
 
 def owner_mask(owner: mx.array, group: int, heads_per_row: int) -> mx.array:
