@@ -121,7 +121,8 @@ def _rebuild(cls, state, registry=None):
     if not state or not isinstance(state[-1], str):
         raise ConfigError("not a kvcompress cache state: its last entry must be the JSON metadata")
     m = json.loads(state[-1])
-    method = build_method(_as_saved(m["config"], registry or LOAD_REGISTRY.get()), registry=registry or LOAD_REGISTRY.get())
+    reg = registry or LOAD_REGISTRY.get()
+    method = build_method(_as_saved(m["config"], reg), registry=reg)
     info = LayerInfo(**m["info"])
     group = join(f"load:{m['group']}", info.layer, group_id=m["group"])
     return cls.restore(method, int(m["budget"]), state, info, group)

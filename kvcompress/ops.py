@@ -298,7 +298,7 @@ def _one_query_owned(queries, keys, values, scale, key_positions, query_position
     b, h_q, _, d = queries.shape
     r = keys.shape[1]
     g = h_q // r
-    ids = (mx.arange(g, dtype=owner.dtype) // (g // heads_per_row)).reshape(1, 1, g, 1)
+    ids = _query_heads(g, heads_per_row, owner.dtype)
     q = _f32(queries).reshape(b, r, g, d) * scale
     out, w = _OWNED(q, _f32(keys).swapaxes(-1, -2), _f32(values), owner, key_positions,
                     query_positions.reshape(-1, 1, 1, 1), ids)
@@ -346,12 +346,14 @@ def attention_mass(queries, keys, scale, key_positions, query_positions, *, quer
 
 
 def owner_mask(owner: mx.array, group: int, heads_per_row: int) -> mx.array:
-    """``[B, R, group, T]`` bool: query head ``k`` of a row (``group`` query heads per row, the
-    row holding ``heads_per_row`` KV heads) sees slot ``t`` iff ``owner[t] == k // (group /
-    heads_per_row)`` -- the KV head its GQA group belongs to."""
-    per_head = group // heads_per_row
-    mine = mx.arange(group, dtype=owner.dtype) // per_head
-    return owner[:, :, None, :] == mine.reshape(1, 1, group, 1)
+    """``[B, R, group, T]`` bool: query head ``k`` of a row (``group`` query heads, ``heads_per_row``
+    KV heads) sees slot ``t`` iff ``owner[t]`` is its GQA group's KV head (:func:`_query_heads`)."""
+    return owner[:, :, None, :] == _query_heads(group, heads_per_row, owner.dtype)
+
+
+def _query_heads(group: int, heads_per_row: int, dtype) -> mx.array:
+    """``[1, 1, group, 1]``: each query head's KV head within its row, ``k // (group / heads_per_row)``."""
+    return (mx.arange(group, dtype=dtype) // (group // heads_per_row)).reshape(1, 1, group, 1)
 
 
 def sortable_bits(x: mx.array) -> mx.array:

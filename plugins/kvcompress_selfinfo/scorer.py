@@ -63,6 +63,11 @@ def digit_ids(tokenizer) -> tuple:
     return tuple(sorted(out))
 
 
+def _one_of(tok: mx.array, ids: tuple) -> mx.array:
+    """Bool, ``tok``'s shape: whether each token id is one of ``ids``."""
+    return (tok[..., None] == mx.array(ids, dtype=mx.int32)).any(axis=-1)
+
+
 @attrs.define
 class SelfInfoState:
     """The previous call's last prediction per row, as its ``top_k`` most likely ids ``[B, k]``
@@ -128,11 +133,9 @@ class SelfInfoScorer:
         before = mx.concatenate([mx.full((b, 1), st.ids is not None), qpos[:, :-1] >= 0], axis=1) & (qpos > 0)
         info = mx.where(before & ~mx.isnan(info), info, UNKNOWN)
         if self.floor_ids and self.floor > 0:  # at least ``floor`` nats (a bounded weight, not a guarantee)
-            low = (tok[:, :, None] == mx.array(self.floor_ids, dtype=mx.int32)).any(axis=-1)
-            info = mx.where(low, mx.maximum(info, self.floor), info)
+            info = mx.where(_one_of(tok, self.floor_ids), mx.maximum(info, self.floor), info)
         if self.keep_ids:
-            keep = (tok[:, :, None] == mx.array(self.keep_ids, dtype=mx.int32)).any(axis=-1)
-            info = mx.where(keep, UNKNOWN, info)
+            info = mx.where(_one_of(tok, self.keep_ids), UNKNOWN, info)
         ids, logp = pred.top(self.top_k)
         if st.ids is not None:  # a row without tokens this call keeps its previous prediction
             real = valid > 0
