@@ -31,25 +31,9 @@ import mlx.core as mx
 from .contexts import Eviction, LayerInfo, ModelInfo, Observation, Selection
 
 __all__ = [
-    "KINDS",
-    "CACHE_PROVIDES",
-    "REQUIRED_HOOKS",
-    "OPTIONAL_HOOKS",
-    "ComponentSpec",
-    "MethodSpec",
-    "Scorer",
-    "Selector",
-    "Disposition",
-    "Budget",
-    "check_hook_names",
-    "component_hooks",
-    "method_hooks",
-    "MethodHooks",
-    "KindHooks",
-    "ScorerHookSet",
-    "SelectorHookSet",
-    "DispositionHookSet",
-    "BudgetHookSet",
+    "KINDS", "CACHE_PROVIDES", "REQUIRED_HOOKS", "OPTIONAL_HOOKS", "ComponentSpec", "MethodSpec", "Scorer",
+    "Selector", "Disposition", "Budget", "check_hook_names", "component_hooks", "method_hooks", "MethodHooks",
+    "KindHooks", "ScorerHookSet", "SelectorHookSet", "DispositionHookSet", "BudgetHookSet",
 ]
 
 KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
@@ -220,6 +204,13 @@ class CommonHooks:
         layer (e.g. ``attrs.evolve(state, rope=...)``), or None to keep them; raise
         :class:`~kvcompress.ConfigError` to refuse the model."""
 
+    def with_tokenizer(self, tokenizer: Any) -> Any:
+        """The component to build with, given the model's tokenizer (None when the caller has
+        none): parameters that name token ids symbolically (e.g. ``"digits"``) resolved to ids,
+        or ``self``. Called when a cache is built, before ``init_state``; the resolved
+        component is what the cache's config records and saves. Raise
+        :class:`~kvcompress.ConfigError` when a parameter needs the tokenizer it did not get."""
+
 
 class ScorerHooks:
     def pass_tokens(self, state) -> Any:
@@ -283,7 +274,7 @@ REQUIRED_HOOKS = {
     "disposition": ("dispose",),
     "budget": ("layer_budgets",),
 }
-_COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind")
+_COMMON = ("init_state", "diagnostics", "take_rows", "stack_rows", "bind", "with_tokenizer")
 #: Optional hook names per kind (see the *Hooks classes above for their signatures).
 OPTIONAL_HOOKS = {
     "scorer": _COMMON + ("pass_tokens", "observe_predictions"),
@@ -318,6 +309,7 @@ class KindHooks:
     take_rows: Optional[Callable] = None
     stack_rows: Optional[Callable] = None
     bind: Optional[Callable] = None
+    with_tokenizer: Optional[Callable] = None
 
 
 @attrs.frozen(kw_only=True)

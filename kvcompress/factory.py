@@ -151,6 +151,7 @@ def make_prompt_cache(
     *,
     config: Union[str, Path, dict, MethodConfig, None] = None,
     registry: Optional[Registry] = None,
+    tokenizer: Any = None,
     **params: Any,
 ) -> list:
     """A prompt cache for ``mlx_lm.generate(..., prompt_cache=...)`` with every full-attention
@@ -159,7 +160,9 @@ def make_prompt_cache(
     ``make_prompt_cache(model, method="cam", budget=64)``; a config file or dict:
     ``make_prompt_cache(model, config="cam.toml")``; or a composition:
     ``make_prompt_cache(model, None, scorer="h2o", selector="lowest", disposition="gated_merge",
-    budget={"name": "uniform", "budget": 64})``. Layers whose default cache is not a plain
+    budget={"name": "uniform", "budget": 64})``. ``tokenizer``: the model's (mlx-lm's ``load``
+    returns it), for components whose parameters name token ids symbolically
+    (:meth:`Method.with_tokenizer`). Layers whose default cache is not a plain
     ``KVCache`` (sliding-window, SSM state) keep their default cache. Installs the
     query-observing attention wrapper (:func:`kvcompress.install`).
 
@@ -168,10 +171,10 @@ def make_prompt_cache(
     built different methods, parameters or budgets, raise the same ConfigError on every rank.
     """
     if world() is None:
-        return _build(model, method, config, registry, params)[0]
+        return _build(model, method, config, registry, params, tokenizer)[0]
     failure = None
     try:
-        caches, summary, digest = _build(model, method, config, registry, params)
+        caches, summary, digest = _build(model, method, config, registry, params, tokenizer)
     except Exception as exc:  # every rank must reach the agreement, whatever this one hit
         failure, caches, summary, digest = exc, None, "", ""
     error = None if failure is None else str(failure) if isinstance(failure, KVCompressError) else (
@@ -183,13 +186,14 @@ def make_prompt_cache(
     return caches
 
 
-def _build(model, method, config, registry, params: dict) -> tuple:
+def _build(model, method, config, registry, params: dict, tokenizer=None) -> tuple:
     """``(caches, summary, digest)``: :func:`make_prompt_cache`'s caches, and what the ranks of
     a distributed run must agree on."""
     method = _method_or_config(method, config)
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **params)
     if isinstance(method, Method) and params:
         raise ConfigError("pass parameters to build_method, not with an already built Method")
+    m = m.with_tokenizer(tokenizer)
     default = default_cache(model)
     slots = [i for i, c in enumerate(default) if type(c) is KVCache]
     if not slots:
@@ -293,10 +297,13 @@ def attach(model: nn.Module, method: Union[str, MethodConfig, Method, dict, None
     """Make ``model.make_cache()`` return compressed caches, so every mlx-lm entry point that
     builds its own caches (``mlx_lm.models.cache.make_prompt_cache``, ``BatchGenerator``,
     ``batch_generate``, the server, chat) compresses them. Takes the same arguments as
-    :func:`make_prompt_cache`; returns the built method. :func:`detach` undoes it."""
+    :func:`make_prompt_cache` (``tokenizer`` included); returns the built method, its token
+    ids resolved. :func:`detach` undoes it."""
     registry = kwargs.pop("registry", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     method = _method_or_config(method, kwargs.pop("config", None))
     m = method if isinstance(method, Method) else build_method(method, registry=registry, **kwargs)
+    m = m.with_tokenizer(tokenizer)
     make_prompt_cache(model, m)  # validate against this model now, not at the first request
 
     def make_cache() -> list:

@@ -272,7 +272,7 @@ def run(args) -> dict:
     if continuing:
         cache = _attach_saved_cache(saved, model, args.prompt_cache_file)
     else:
-        cache = make_prompt_cache(model, method)
+        cache = make_prompt_cache(model, method, tokenizer=tokenizer)
     prompt = prompt_tokens(tokenizer, text, chat_template=not args.ignore_chat_template,
                            system_prompt=args.system_prompt, continuation=continuing)
     if not prompt:

@@ -42,6 +42,26 @@ class Method:
         """The same hooks as typed records with their defaults filled in (what the cache calls)."""
         return method_hooks({kind: self.component(kind) for kind in KINDS})
 
+    def with_tokenizer(self, tokenizer: Any) -> "Method":
+        """This method with each component's ``with_tokenizer(tokenizer)`` applied (symbolic
+        token-id parameters resolved; ``tokenizer`` None when there is none), or ``self`` when
+        nothing changes. :func:`kvcompress.make_prompt_cache` and :func:`kvcompress.attach` call
+        it with their ``tokenizer=``; the caches record the resolved config."""
+        comps = {}
+        for kind in KINDS:
+            comp = self.component(kind)
+            hook = component_hooks(kind, comp).get("with_tokenizer")
+            new = comp if hook is None else hook(tokenizer)
+            if type(new) is not type(comp):
+                raise CompositionError(f"{kind} {type(comp).__name__}.with_tokenizer returned a "
+                                       f"{type(new).__name__}; return the component itself (attrs.evolve)")
+            comps[kind] = new
+        if all(comps[k] == self.component(k) for k in KINDS):
+            return self
+        config = attrs.evolve(self.config, **{k: ComponentConfig(self.config.component(k).name, _init_params(comps[k]))
+                                              for k in KINDS})
+        return attrs.evolve(self, config=config, **comps)
+
     def describe(self) -> str:
         parts = []
         for kind in KINDS:
@@ -53,7 +73,14 @@ class Method:
 
 
 def _fmt_params(comp) -> str:
-    return ", ".join(f"{f.name}={getattr(comp, f.name)!r}" for f in attrs.fields(type(comp)) if f.init)
+    return ", ".join(f"{f.name}={_short(getattr(comp, f.name))}" for f in attrs.fields(type(comp)) if f.init)
+
+
+def _short(value) -> str:
+    """``repr``, a long tuple (a tokenizer's ids) cut to its ends and its length."""
+    if isinstance(value, tuple) and len(value) > 12:
+        return f"({', '.join(map(repr, value[:3]))}, ..., {value[-1]!r}: {len(value)} values)"
+    return repr(value)
 
 
 def build_method(

@@ -68,10 +68,11 @@ def entries(methods: Optional[Sequence[str]], registry, extra: Sequence = ()) ->
 
 
 def make_cache(model, name: str, budget: int, *, keep: int = 4, seed: Optional[int] = None,
-               params: Optional[dict] = None, registry=None) -> list:
+               params: Optional[dict] = None, registry=None, tokenizer=None) -> list:
     """Per-layer caches: ``"full"``, ``"rotating"`` (``RotatingKVCache(budget, keep)``),
     ``"quantized<bits>"`` (:func:`quantized_cache`; ``budget`` ignored) or the registered method
-    ``name`` at ``budget`` (with ``seed`` and ``params`` when given)."""
+    ``name`` at ``budget`` (with ``seed`` and ``params`` when given; ``tokenizer`` resolves
+    symbolic token ids, :meth:`kvcompress.Method.with_tokenizer`)."""
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache as mlx_prompt_cache
 
     from kvcompress import make_prompt_cache
@@ -92,7 +93,7 @@ def make_cache(model, name: str, budget: int, *, keep: int = 4, seed: Optional[i
         raise ValueError(f"{name}: budget={policy!r} in a variant must name a budget component; the sweep sets "
                          "the size")
     size = budget if policy is None else {**policy, "budget": budget}
-    return make_prompt_cache(model, name, registry=registry, budget=size, **extra)
+    return make_prompt_cache(model, name, registry=registry, budget=size, tokenizer=tokenizer, **extra)
 
 
 def _head_dim(model) -> Optional[int]:

@@ -274,7 +274,8 @@ def run_longctx(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
                     bar.set_postfix_str(f"{L} {label} {ratio}x"[:40])
                 try:
                     meas = measure(model, tokenizer, fmt, eps, lambda: make_cache(
-                        model, name, budget, keep=s["n_sink"], seed=s["seed"], params=params, registry=reg),
+                        model, name, budget, keep=s["n_sink"], seed=s["seed"], params=params, registry=reg,
+                        tokenizer=tokenizer),
                         s, stop, advance)
                 except Exception as exc:  # one method failing at one setting must not end the sweep
                     warnings.warn(f"longctx: {label} (length {L}, C={budget}): {exc}", RuntimeWarning, stacklevel=2)

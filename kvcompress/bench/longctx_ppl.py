@@ -152,7 +152,7 @@ def run_longppl(settings: Optional[dict] = None, *, model=None, tokenizer=None, 
             nlls, sizes = [], []
             for wb in batches:
                 cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
-                                   registry=reg)
+                                   registry=reg, tokenizer=tokenizer)
                 nlls.append(chunked_nll(model, wb, cache, s["decode"], s["chunk"], advance))
                 sizes.append((live_kv_bytes(cache) / len(wb), float(np.mean([stored_tokens(c) for c in cache]))))
         except Exception as exc:  # reported, not fatal

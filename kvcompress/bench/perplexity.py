@@ -221,7 +221,7 @@ def run_perplexity(settings: Optional[dict] = None, *, model=None, tokenizer=Non
         nlls, cache = [], None
         for wb in batches:
             cache = make_cache(model, name, budget or 0, keep=s["n_sink"], seed=s["seed"], params=params,
-                               registry=reg)
+                               registry=reg, tokenizer=tokenizer)
             nlls.append(window_nll(model, wb, cache, s["prefill"], s["step_tokens"]))
         kept = float(np.mean([stored_tokens(c) for c in cache]))
         return np.concatenate(nlls, axis=0), kept, live_kv_bytes(cache) / len(batches[-1])

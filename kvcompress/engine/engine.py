@@ -106,7 +106,9 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
             self._hooks.selector.head_group(self.info, self.info.n_kv_heads)
 
     def _use(self, method) -> None:
-        """The method's hooks and what its components declare they need from the engine."""
+        """The method's hooks and what its components declare they need from the engine (its
+        symbolic token ids resolved without a tokenizer where the factory did not resolve them)."""
+        method = method.with_tokenizer(None)
         self.method, self._hooks = method, method.hook_set()
         self._wants_mass = "step_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires

@@ -115,7 +115,7 @@ def _run_chat(method, argv: Sequence[str]) -> int:
                     "the model's tokenizer has no chat template, which chat needs (as mlx_lm.chat "
                     "does); use kvcompress generate, or pass a model with a chat template"
                 )
-            attach(model, method)
+            attach(model, method, tokenizer=tokenizer)
             return model, tokenizer
 
         return load

@@ -106,6 +106,6 @@ def model_provider(method):
 
         def _load(self, *args, **kwargs):
             super()._load(*args, **kwargs)
-            attach(self.model, method)
+            attach(self.model, method, tokenizer=self.tokenizer)
 
     return ModelProvider

@@ -43,9 +43,10 @@ MEMORY_SLACK = 2.0
 COST_FACTOR = 1.5
 
 
-def model_cache_factory(model, registry=None) -> Callable[[Optional[dict]], Callable[[], list]]:
+def model_cache_factory(model, registry=None, tokenizer=None) -> Callable[[Optional[dict]], Callable[[], list]]:
     """``factory(config)`` -> a function building a fresh prompt cache for ``model``: mlx-lm's
-    full cache for ``None``, else ``kvcompress.make_prompt_cache(model, config=config)``."""
+    full cache for ``None``, else ``kvcompress.make_prompt_cache(model, config=config,
+    tokenizer=tokenizer)``."""
 
     def factory(config: Optional[dict]):
         if config is None:
@@ -54,7 +55,7 @@ def model_cache_factory(model, registry=None) -> Callable[[Optional[dict]], Call
             return lambda: full_cache(model)
         from kvcompress import make_prompt_cache
 
-        return lambda: make_prompt_cache(model, config=config, registry=registry)
+        return lambda: make_prompt_cache(model, config=config, registry=registry, tokenizer=tokenizer)
 
     return factory
 
@@ -99,7 +100,7 @@ def run_search(workload, budget: int, *, registry=None, cache_factory=None, meth
     from kvcompress import get_registry
 
     reg = registry or get_registry()
-    factory = cache_factory or model_cache_factory(workload.model, reg)
+    factory = cache_factory or model_cache_factory(workload.model, reg, workload.tokenizer)
     say = log or (lambda line: print(line, file=sys.stderr))
     start = clock()
     queue = defaults(reg, methods)

@@ -1,7 +1,8 @@
 """What ``kvcompress tune`` measures a candidate on, reusing the benchmarks' code.
 
 A workload has two disjoint splits, ``search`` (every candidate) and ``heldout`` (the finalists
-and the full cache, measured again), plus ``warmup`` (its first item, untimed work). Measuring
+and the full cache, measured again), plus ``warmup`` (its first item, untimed work), and the ``model`` and its ``tokenizer`` (None
+where methods get no tokenizer) the candidates' caches are built for. Measuring
 builds a fresh cache per batch with ``make_cache()`` and returns a :class:`Measurement`: one
 **loss** per item (lower is better) and the live bytes the cache holds per sequence at the end.
 The score of a candidate is the mean paired difference of its losses to the full cache's on
@@ -82,7 +83,7 @@ class TextWorkload:
 
         if not 0 < prefill < window - 1:
             raise ValueError(f"prefill must be in [1, window - 2] = [1, {window - 2}], got {prefill}")
-        self.model, self.prefill, self.batch, self.window = model, prefill, batch, window
+        self.model, self.tokenizer, self.prefill, self.batch, self.window = model, tokenizer, prefill, batch, window
         need = windows + heldout
         try:
             w = prepare_windows(tokenizer, text, window, need)
@@ -132,6 +133,7 @@ class RetrievalWorkload:
         from kvcompress.bench.retrieval import make_samples
 
         self.model, self.context, self.prefill_chunk, self.tasks = model, context, prefill_chunk, tuple(tasks)
+        self.tokenizer = None  # the embedded model's word tokenizer names no token ids for methods
         self.items = {
             "search": {t: make_samples(t, samples, context, seed) for t in self.tasks},
             "heldout": {t: make_samples(t, heldout, context, seed + 1) for t in self.tasks},

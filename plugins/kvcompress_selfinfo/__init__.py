@@ -3,7 +3,9 @@
 Components: scorer ``selfinfo`` (Eq. 1, ``-log P(x_t | x_<t)`` from the model's own
 predictions in the same forward: no extra pass) and selector ``span`` (Eq. 3's unit information
 over every 16-token window; a token scores the best window holding it). Method ``selfinfo``
-composes them with ``drop`` and ``uniform`` (4 sinks and the 32 most recent tokens kept). It
+composes them with ``drop`` and ``uniform`` (4 sinks and the 32 most recent tokens kept) and
+scores numbers' digits at least 7 nats (``floor_ids="digits"``, resolved with the tokenizer the
+cache is built with; see :mod:`.scorer`). It
 needs the model hook (mlx-lm's generation entry points and ``kvcompress.install`` give it) and a
 model that returns logits.
 """
@@ -48,7 +50,7 @@ def kvcompress_methods():
             disposition="drop",
             budget="uniform",
             summary="Selective Context: keep the tokens of the 16-token spans the model found most informative (-log p)",
-            params={"budget": 512, "span": 16, "step": 16, "n_sink": 4, "recent": 32},
+            params={"budget": 512, "span": 16, "step": 16, "n_sink": 4, "recent": 32, "floor_ids": "digits", "floor": 7.0},
             paper=PAPER,
         )
     ]

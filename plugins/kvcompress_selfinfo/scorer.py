@@ -27,18 +27,25 @@ later turns (the held turns crowd facts out; docs/methods/selfinfo.md).
 ``floor_ids`` / ``floor``: token ids scored at least ``floor`` nats, ``max(I, floor)`` -- a
 bounded weight, not a guarantee, e.g. the digits of numbers (:func:`digit_ids`): a digit costs
 the model about ``log 10`` nats, so a number sums less than the words around it and leaves first.
+
+Both take ids or a name resolved with the model's tokenizer when the cache is built
+(``make_prompt_cache(model, ..., tokenizer=...)``; the CLIs pass theirs): ``keep_ids="special"``
+(:func:`special_ids`; refused without a tokenizer) and ``floor_ids="digits"`` (:func:`digit_ids`;
+without a tokenizer no floor, with a warning). The ``selfinfo`` method's defaults are
+``floor_ids="digits", floor=7``; the scorer's own are the paper's rule, no floor.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Optional
+import warnings
+from typing import Any, ClassVar, Optional
 
 import attrs
 import mlx.core as mx
-from attrs.validators import and_, deep_iterable, ge, instance_of
+from attrs.validators import ge, instance_of
 
-from kvcompress import rows_field
+from kvcompress import ConfigError, rows_field
 
 __all__ = ["SelfInfoScorer", "SelfInfoState", "UNKNOWN", "digit_ids", "special_ids"]
 
@@ -61,6 +68,24 @@ def digit_ids(tokenizer) -> tuple:
         if t and t.isascii() and t.isdigit():
             out.add(int(i))
     return tuple(sorted(out))
+
+
+#: the names ``keep_ids`` / ``floor_ids`` accept, resolved with the tokenizer (:meth:`SelfInfoScorer.with_tokenizer`)
+_NAMED = {"keep_ids": ("special", special_ids), "floor_ids": ("digits", digit_ids)}
+
+
+def _ids_or_name(value):
+    return value if isinstance(value, str) else tuple(value)
+
+
+def _check_ids(_inst, attribute, value) -> None:
+    name = _NAMED[attribute.name][0]
+    if isinstance(value, str):
+        if value != name:
+            raise ValueError(f"{attribute.name} must be token ids or {name!r}, got {value!r}")
+        return
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{attribute.name} must be token ids (ints >= 0) or {name!r}, got {list(value)!r}")
 
 
 def _one_of(tok: mx.array, ids: tuple) -> mx.array:
@@ -86,12 +111,30 @@ class SelfInfoScorer:
     at least ``floor`` nats."""
 
     top_k: int = attrs.field(default=64, validator=[instance_of(int), ge(1)])
-    keep_ids: tuple = attrs.field(default=(), converter=tuple, validator=deep_iterable(and_(instance_of(int), ge(0))))
-    floor_ids: tuple = attrs.field(default=(), converter=tuple, validator=deep_iterable(and_(instance_of(int), ge(0))))
+    keep_ids: Any = attrs.field(default=(), converter=_ids_or_name, validator=_check_ids)
+    floor_ids: Any = attrs.field(default=(), converter=_ids_or_name, validator=_check_ids)
     floor: float = attrs.field(default=0.0, converter=float, validator=ge(0.0))
 
     requires: ClassVar[frozenset] = frozenset({"positions", "tokens", "predictions"})
     provides: ClassVar[frozenset] = frozenset()
+
+    def with_tokenizer(self, tokenizer) -> "SelfInfoScorer":
+        """``keep_ids="special"`` / ``floor_ids="digits"`` as the tokenizer's ids (see the module)."""
+        out = {}
+        for field, (name, ids_of) in _NAMED.items():
+            if getattr(self, field) != name:
+                continue
+            vocab = callable(getattr(tokenizer, "get_vocab", None)) if field == "floor_ids" else tokenizer is not None
+            if vocab:
+                out[field] = ids_of(tokenizer)
+            elif field == "keep_ids":
+                raise ConfigError(f"selfinfo: keep_ids={name!r} needs the model's tokenizer: pass tokenizer= to "
+                                  "make_prompt_cache / attach, or give the ids (keep_ids=[...])")
+            else:
+                warnings.warn(f"selfinfo: floor_ids={name!r} needs the model's tokenizer and its vocabulary "
+                              "(make_prompt_cache(..., tokenizer=...)); without it no token gets the floor", stacklevel=2)
+                out[field] = ()
+        return attrs.evolve(self, **out) if out else self
 
     def init_state(self, layer) -> SelfInfoState:
         return SelfInfoState()
