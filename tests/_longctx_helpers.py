@@ -22,6 +22,9 @@ class ByteTokenizer:
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def get_vocab(self):
+        return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, "<s>": 256, "</s>": 257}
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
         out = "<|im_start|>system\nBe brief.<|im_end|>\n" + "".join(
             f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)

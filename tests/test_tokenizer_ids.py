@@ -189,3 +189,29 @@ def test_chat_resolves_the_digits_with_the_models_tokenizer(stories_model, monke
     finally:
         kvcompress.detach(model)  # the shared fixture's model gets its own caches back
     assert seen == [digit_ids(tok)]
+
+
+def test_the_long_context_benches_build_caches_with_the_tokenizer(tmp_path_factory, monkeypatch):
+    """``bench longctx`` and ``bench longppl`` give selfinfo the tokenizer's digits (bytes 0-9)."""
+    from _longctx_helpers import ByteTokenizer, text_source
+    from kvcompress.bench import longctx as lc
+    from kvcompress.bench import longctx_ppl as lp
+
+    src = text_source(tmp_path_factory)
+    model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, vocab=258, seed=3)
+    real, seen = kvcompress.make_prompt_cache, []
+
+    def spy(*a, **k):
+        cache = real(*a, **k)
+        seen.append(_scorer(cache).floor_ids)
+        return cache
+
+    monkeypatch.setattr(kvcompress, "make_prompt_cache", spy)
+    settings = {"recent": 4, "step": 4, "span": 4}  # selfinfo at a 150-token budget
+    lc.run_longctx({"lengths": (600,), "ratios": (4,), "episodes": 1, "chunk": 128, "methods": ("selfinfo",),
+                    "protocols": ("blind",), "min_full": 0.0, "text_dir": src.where, "extra": (("selfinfo", settings),)},
+                   model=model, tokenizer=ByteTokenizer(True), progress=False)
+    lp.run_longppl({"window": 400, "windows": 1, "decode": 8, "chunk": 128, "ratios": (4,), "methods": ("selfinfo",),
+                    "text_dir": src.where}, model=model, tokenizer=ByteTokenizer(), progress=False)
+    digits = tuple(range(48, 58))
+    assert len(seen) >= 3 and all(ids == digits for ids in seen)
