@@ -283,13 +283,14 @@ class KVCacheBuilder:
     """``KVCacheBuilder.for_model(model, config)`` -> per-layer caches (design-note API)."""
 
     @staticmethod
-    def for_model(model: nn.Module, config: KVCacheConfig, registry: Optional[Registry] = None) -> list:
+    def for_model(model: nn.Module, config: KVCacheConfig, registry: Optional[Registry] = None,
+                  tokenizer: Any = None) -> list:
         info = model_info(model)
         if config.head_dim is not None and info.head_dim is not None and config.head_dim != info.head_dim:
             raise ConfigError(
                 f"KVCacheConfig.head_dim={config.head_dim} but the model's head_dim is {info.head_dim}"
             )
-        return make_prompt_cache(model, config.build(registry), registry=registry)
+        return make_prompt_cache(model, config.build(registry), registry=registry, tokenizer=tokenizer)
 
 
 def attach(model: nn.Module, method: Union[str, MethodConfig, Method, dict, None] = DEFAULT_METHOD,

@@ -215,3 +215,8 @@ def test_the_long_context_benches_build_caches_with_the_tokenizer(tmp_path_facto
                     "text_dir": src.where}, model=model, tokenizer=ByteTokenizer(), progress=False)
     digits = tuple(range(48, 58))
     assert len(seen) >= 3 and all(ids == digits for ids in seen)
+
+
+def test_the_design_note_builder_passes_the_tokenizer():
+    cfg = kvcompress.KVCacheConfig(method="selfinfo", selfinfo_budget=64)
+    assert _scorer(kvcompress.KVCacheBuilder.for_model(tiny_llama(), cfg, tokenizer=FakeTokenizer())).floor_ids == DIGITS
