@@ -56,7 +56,7 @@ class Method:
                 raise CompositionError(f"{kind} {type(comp).__name__}.with_tokenizer returned a "
                                        f"{type(new).__name__}; return the component itself (attrs.evolve)")
             comps[kind] = new
-        if all(comps[k] == self.component(k) for k in KINDS):
+        if all(comps[k] is self.component(k) for k in KINDS):
             return self
         config = attrs.evolve(self.config, **{k: ComponentConfig(self.config.component(k).name, _init_params(comps[k]))
                                               for k in KINDS})
