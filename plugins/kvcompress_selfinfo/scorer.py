@@ -70,8 +70,8 @@ def digit_ids(tokenizer) -> tuple:
     return tuple(sorted(out))
 
 
-#: the names ``keep_ids`` / ``floor_ids`` accept, resolved with the tokenizer (:meth:`SelfInfoScorer.with_tokenizer`)
-_NAMED = {"keep_ids": ("special", special_ids), "floor_ids": ("digits", digit_ids)}
+#: the name each of ``keep_ids`` / ``floor_ids`` accepts, resolved by :meth:`SelfInfoScorer.with_tokenizer`
+_NAMES = {"keep_ids": "special", "floor_ids": "digits"}
 
 
 def _ids_or_name(value):
@@ -79,7 +79,7 @@ def _ids_or_name(value):
 
 
 def _check_ids(_inst, attribute, value) -> None:
-    name = _NAMED[attribute.name][0]
+    name = _NAMES[attribute.name]
     if isinstance(value, str):
         if value != name:
             raise ValueError(f"{attribute.name} must be token ids or {name!r}, got {value!r}")
@@ -121,19 +121,18 @@ class SelfInfoScorer:
     def with_tokenizer(self, tokenizer) -> "SelfInfoScorer":
         """``keep_ids="special"`` / ``floor_ids="digits"`` as the tokenizer's ids (see the module)."""
         out = {}
-        for field, (name, ids_of) in _NAMED.items():
-            if getattr(self, field) != name:
-                continue
-            vocab = callable(getattr(tokenizer, "get_vocab", None)) if field == "floor_ids" else tokenizer is not None
-            if vocab:
-                out[field] = ids_of(tokenizer)
-            elif field == "keep_ids":
-                raise ConfigError(f"selfinfo: keep_ids={name!r} needs the model's tokenizer: pass tokenizer= to "
+        if self.keep_ids == "special":
+            if tokenizer is None:
+                raise ConfigError("selfinfo: keep_ids='special' needs the model's tokenizer: pass tokenizer= to "
                                   "make_prompt_cache / attach, or give the ids (keep_ids=[...])")
+            out["keep_ids"] = special_ids(tokenizer)
+        if self.floor_ids == "digits":
+            if callable(getattr(tokenizer, "get_vocab", None)):
+                out["floor_ids"] = digit_ids(tokenizer)
             else:
-                warnings.warn(f"selfinfo: floor_ids={name!r} needs the model's tokenizer and its vocabulary "
+                warnings.warn("selfinfo: floor_ids='digits' needs the model's tokenizer and its vocabulary "
                               "(make_prompt_cache(..., tokenizer=...)); without it no token gets the floor", stacklevel=2)
-                out[field] = ()
+                out["floor_ids"] = ()
         return attrs.evolve(self, **out) if out else self
 
     def init_state(self, layer) -> SelfInfoState:
