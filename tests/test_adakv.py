@@ -16,40 +16,45 @@ import kvcompress
 from conftest import make_caches, tiny_llama
 from kvcompress import ConfigError
 from kvcompress.contexts import LayerInfo
-from kvcompress_adakv import AdaptiveSelector, head_ranks
+from kvcompress_adakv import AdaptiveSelector, head_best
 
 D = 16
 
 
-def naive_head_ranks(scores: np.ndarray, owner: np.ndarray, g: int) -> np.ndarray:
-    """Rank of each slot by score (0 = best) among its own head's slots; empty slots rank T."""
-    out = np.full(scores.shape, scores.shape[-1], np.int64)
+def naive_head_best(scores, owner, positions, g, k):
+    """Each head's ``k`` best slots by (score, position), both descending (all of a head holding fewer)."""
+    out = np.zeros(scores.shape, bool)
     for idx in np.ndindex(*scores.shape[:-1]):
+        kk = int(k[idx[0]])
         for h in range(g):
             slots = np.flatnonzero(owner[idx] == h)
-            # descending score, ties by slot index (a stable sort of the negated scores)
-            order = slots[np.argsort(-scores[idx][slots], kind="stable")]
-            out[idx][order] = np.arange(len(order))
+            order = sorted(slots, key=lambda t: (scores[idx][t], positions[idx][t]), reverse=True)
+            out[idx][order[: max(kk, 0)]] = True
     return out
 
 
 @pytest.mark.parametrize("g", [1, 2, 4])
 @pytest.mark.parametrize("shape", [(1, 1, 12), (2, 3, 17)])
-def test_head_ranks_match_a_numpy_reference(g, shape):
+@pytest.mark.parametrize("k", [0, 1, 3, 20, "rows"])
+def test_head_best_matches_a_numpy_reference(g, shape, k):
+    """Exactly ``min(k, held)`` per head, ties (equal scores, protected slots at +inf) to the
+    newer token, so a head of equal scores still leaves slots to evict."""
     rng = np.random.default_rng(g * 31 + shape[-1])
     scores = rng.standard_normal(shape).astype(np.float32)
     scores[..., ::5] = 0.5  # ties
+    scores[..., 1::7] = np.inf  # protected slots rank first
     owner = rng.integers(-1, g, shape).astype(np.int32)
-    got = np.array(head_ranks(mx.array(scores), mx.array(owner), g))
-    want = naive_head_ranks(scores, owner, g)
-    held = owner >= 0
-    # ties may be ordered either way; the ranks of tied slots form the same set
+    positions = np.where(owner >= 0, rng.permuted(np.broadcast_to(np.arange(shape[-1]), shape), axis=-1), -1)
+    ks = np.array([2, 5][: shape[0]]) if k == "rows" else np.full(shape[0], k)
+    arg = mx.array(ks.reshape(-1, 1, 1), dtype=mx.int32) if k == "rows" else k
+    got = np.array(head_best(mx.array(scores), mx.array(owner), mx.array(positions, dtype=mx.int32), g, arg))
+    np.testing.assert_array_equal(got, naive_head_best(scores, owner, positions, g, ks))
     for idx in np.ndindex(*shape[:-1]):
         for h in range(g):
-            m = owner[idx] == h
-            assert sorted(got[idx][m]) == sorted(want[idx][m]) == list(range(m.sum()))
-            assert np.all(np.diff(scores[idx][m][np.argsort(got[idx][m])]) <= 0)  # best first
-    assert (got[~held] == shape[-1]).all()
+            assert got[idx][owner[idx] == h].sum() == min(ks[idx[0]], (owner[idx] == h).sum())
+    flat = np.zeros(shape, np.float32)  # every score equal: the newest k of each head
+    got = np.array(head_best(mx.array(flat), mx.array(owner), mx.array(positions, dtype=mx.int32), g, arg))
+    np.testing.assert_array_equal(got, naive_head_best(flat, owner, positions, g, ks))
 
 
 def _concentrated_and_spread(budget=12, alpha=0.1, n=48, seed=0):
@@ -84,21 +89,29 @@ def test_heads_hold_different_counts_when_scores_say_so_within_the_layer_total()
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_bytes_held_never_exceed_uniform_budgets(kv_heads):
-    """Same feed, same budget: ``adakv`` holds no more bytes than ``snapkv`` (uniform budgets
-    over the same scores), measured from the arrays the caches hold."""
+    """Same feed, same budget: ``adakv``'s slots (keys, values, positions, scores) hold no more
+    bytes than ``snapkv``'s (uniform budgets over the same scores), measured from the arrays the
+    caches hold; decode's column lists (one int32 per slot a head holds, plus a column per head
+    per token since the last eviction) and per-head counts come on top, and are counted."""
     model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=kv_heads, seed=kv_heads)
     tokens = mx.array(np.random.default_rng(1).integers(1, 97, (2, 90)), dtype=mx.int32)
-    held = {}
+    held, extra, caches = {}, {}, {}
     for method in ("adakv", "snapkv"):
-        cache = kvcompress.make_prompt_cache(model, method, budget=48)
+        cache = caches[method] = kvcompress.make_prompt_cache(model, method, budget=48)
         for i in range(0, 60, 20):
             model(tokens[:, i : i + 20], cache=cache)
         for i in range(60, 90):
             model(tokens[:, i : i + 1], cache=cache)
         mx.eval([c.state for c in cache])
-        held[method] = [c.nbytes for c in cache]
+        extra[method] = [c.parts.slots.extra_nbytes() for c in cache]
+        held[method] = [c.nbytes - x for c, x in zip(cache, extra[method])]
         assert all(c.evictions > 0 for c in cache)
     assert all(a <= b for a, b in zip(held["adakv"], held["snapkv"])), held
+    assert extra["snapkv"] == [0, 0]
+    step = kvcompress.build_method("adakv").selector.step
+    for c, x in zip(caches["adakv"], extra["adakv"]):  # [B, R, g, W] int32 lists + [B, R, g] counts
+        rows, g = 2 * (kv_heads // c.heads_per_row), c.heads_per_row
+        assert (0 < x <= 4 * rows * g * (g * c.budget + step + 1)) if g > 1 else x == 0
 
 
 def test_one_head_per_row_is_snapkv():
@@ -150,8 +163,8 @@ def test_head_wise_invariants_every_step(budget, prompt, chunk, decode, alpha, n
         pos = np.array(c.head_view()[2])
         counts = (pos >= 0).sum(-1)  # [B, H]
         assert (counts.sum(-1) == 2 * c.tokens_kept).all()
-        if j - i == 1 and j > prompt:
-            assert c.tokens_kept <= c.budget
+        if j - i == 1 and j > prompt:  # (the freed slots a row refills in place count in its width)
+            assert c.tokens_kept <= c.size() <= c.budget
         if j - i == 1 and j > max(prompt, c.budget):
             assert (counts.sum(-1) > 2 * c.budget - step).all() and (counts.sum(-1) <= 2 * c.budget).all()
         assert counts.min() >= min(j, math.ceil(alpha * c.budget))
@@ -223,3 +236,22 @@ def test_step_rounds_evictions_up_and_reserves_room_for_them():
     with pytest.raises(ConfigError, match="smallest budget that builds is 48"):
         kvcompress.make_prompt_cache(model, "adakv", budget=40)
     assert kvcompress.make_prompt_cache(model, "adakv", budget=48)[0].method.selector.step == 16
+
+
+def test_freed_slots_are_refilled_in_place_within_the_budgets_width():
+    """An eviction frees ``step`` slots of a row; the next tokens go into them without
+    compacting the row (decode attention reads each head's column list, which empty slots do
+    not widen), but only while the row is no wider than its budget: a chunk that left it wider
+    is compacted, so ``size()`` never exceeds the budget after a decode step."""
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2, seed=5)
+    tokens = mx.array(np.random.default_rng(5).integers(1, 97, (1, 140)), dtype=mx.int32)
+    (c,) = kvcompress.make_prompt_cache(model, "adakv", budget=48, recent=2)
+    model(tokens[:, :47], cache=[c])
+    model(tokens[:, 47:53], cache=[c])  # 12 slots after a nearly full row: wider than 2 x 48
+    assert c.parts.slots.n > 2 * c.budget
+    holes = 0
+    for i in range(53, 140):
+        model(tokens[:, i : i + 1], cache=[c])
+        assert c.tokens_kept <= c.size() <= c.budget
+        holes += c.parts.slots.n > max(c.parts.rows.held)
+    assert holes > 0  # steps that kept freed slots to refill

@@ -25,7 +25,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kvcompress
-from conftest import assert_step_accounting, make_caches, tiny_llama
+from conftest import assert_step_accounting, held_tokens, make_caches, tiny_llama
 from kvcompress import CompressedKVCache
 from kvcompress._state import derived_arrays, flatten_state
 from kvcompress.components import KINDS
@@ -339,7 +339,7 @@ def test_decode_holds_budget_keeps_sinks_unique_positions(method):
     feed(model, cache, tokens[:, :n_prompt], step=4)
     full = {c.layer: False for c in cache}
     for i in range(n_prompt, n_prompt + n_decode):
-        before = [(c.size(), c.evictions) for c in cache]
+        before = [(held_tokens(c), c.evictions) for c in cache]
         mx.eval(model(tokens[:, i : i + 1], cache=cache))
         for c, (n, e) in zip(cache, before):
             assert c.offset == i + 1

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache
 
 import kvcompress
 from _equivalence_helpers import ATOL_FUSED, METHODS, fresh_tiny, maxdiff, prefill_chunks, token_ids
-from conftest import assert_step_accounting, make_caches, tiny_llama
+from conftest import assert_step_accounting, held_tokens, make_caches, tiny_llama
 from kvcompress import CompressedKVCache
 
 # Methods whose attention is exactly over the stored slots as stored: evicted tokens are gone
@@ -165,7 +165,7 @@ def test_decode_after_eviction_uses_true_position(method, explicit_masks):
     assert c.evictions > 0
     for i in range(n_prompt, n_prompt + n_decode):
         tok = tokens[:, i : i + 1]
-        n_before, ev_before = c.size(), c.evictions
+        n_before, ev_before = held_tokens(c), c.evictions
         logits = model(tok, cache=cache)
         # offset counts tokens seen; the stored length is at most the budget
         assert c.offset == i + 1 and c.offset > c.budget >= c.size()
@@ -208,7 +208,7 @@ def test_chunk_after_eviction_matches_explicit_mask(method, n_new, explicit_mask
     explicit_masks()
     assert cache[0].make_mask(n_new) == "causal"
     assert cache[0].make_mask(1) is None
-    before = [(c.size(), c.evictions) for c in cache]
+    before = [(held_tokens(c), c.evictions) for c in cache]
     logits = model(chunk, cache=cache)
     pinned = []
     for c, (n_before, ev_before) in zip(cache, before):
@@ -302,14 +302,14 @@ def test_chunk_longer_than_budget_is_attended_exactly(method):
         assert c.size() == chunk > c.budget and c.evictions == 0 and c.offset == chunk
 
     # the next update evicts first (keeping at most budget-1 old tokens), then appends
-    before = [(c.size(), c.evictions) for c in cache]
+    before = [(held_tokens(c), c.evictions) for c in cache]
     model(tokens[:, chunk : 2 * chunk], cache=cache)
     for c, (n, e) in zip(cache, before):
         assert c.offset == 2 * chunk and c.evictions > 0
         assert_step_accounting(c, n, e, chunk)
 
     # a decode step brings the cache back within the budget
-    before = [(c.size(), c.evictions) for c in cache]
+    before = [(held_tokens(c), c.evictions) for c in cache]
     model(tokens[:, 2 * chunk :], cache=cache)
     for c, (n, e) in zip(cache, before):
         assert c.offset == 2 * chunk + 1 and c.size() <= c.budget

@@ -13,6 +13,7 @@ from .. import _state, ops
 from ..contexts import Observation
 from ..errors import KVCompressError
 from ..storage import QuantizedSlots, as_float
+from .heads import attend_columns, head_columns
 
 #: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
 UNDO_TOKENS = 16
@@ -84,16 +85,49 @@ class _AttendMixin:
             if bias is not None:
                 own = bias
             return sdpa(queries, split(keys), split(values), cache=None, scale=scale, mask=own, sinks=sinks)
-        # after an eviction (decode steps too): the exact slot and owner mask in kvcompress's
-        # attention (its grouped products beat mlx's masked CPU fallback, which broadcasts the
-        # keys over each group's query heads)
         pos, owner = self._slots.positions(), self._slots.owner()
         _, valid, _ = self._pending
+        plain = bias is None and isinstance(keys, mx.array) and isinstance(values, mx.array)
+        if n > 1 and plain:
+            return self._attend_heads(queries, keys, values, scale, pos, valid, sinks)
+        if plain and sinks is None and valid == [1] * len(valid):  # a decode step: each head's columns
+            return self._attend_columns(queries, keys, values, scale)
+        # else (sinks, a model's additive mask, low-bit slots, padding queries): the exact slot and
+        # owner mask in kvcompress's attention (its grouped products beat mlx's masked CPU
+        # fallback, which broadcasts the keys over each group's query heads)
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
             mass="group" if self._wants_mass else None, bias=bias, sinks=sinks, owner=owner, heads_per_row=g,
         )
         self._step_mass = mass
+        return out
+
+    def _attend_heads(self, queries, keys, values, scale, pos, valid, sinks):
+        """A chunk over head-group rows: each KV head's own slots gathered out of its row
+        (:meth:`Slots.head_slots`, ``[B, H_kv, W, D]``) and attended as uniform GQA heads under
+        the slot mask -- ``1 / g`` of the masked row's work -- the mass put back on the slots."""
+        n = queries.shape[2]
+        slot, ok = self._slots.head_slots()
+        b, r, g, w = ok.shape
+        t = pos.shape[-1]
+        kc, vc = (mx.take_along_axis(a, slot[..., None], axis=2).reshape(b, r * g, w, -1) for a in (keys, values))
+        pc = mx.where(ok, mx.take_along_axis(pos, slot, axis=-1).reshape(b, r, g, w), -1).reshape(b, r * g, w)
+        out, mass = ops.attention(
+            queries, kc, vc, scale, pc, self._qpos(n), query_weight=self._query_weight(valid, n),
+            mass="group" if self._wants_mass else None, sinks=sinks,
+        )
+        if mass is not None:  # [B, H_kv, W] -> the row's slots (padding onto a dropped column)
+            dest = mx.where(ok, slot.reshape(b, r, g, w), t).reshape(b, r, g * w)
+            mass = mx.put_along_axis(mx.zeros((b, r, t + 1), mx.float32), dest, mass.reshape(b, r, g * w), axis=-1)
+            mass = mass[..., :t]
+        self._step_mass = mass
+        return out
+
+    def _attend_columns(self, queries, keys, values, scale):
+        """A decode step over head-group rows: each query head's softmax over its own KV head's
+        slots only (heads.py), the weights put back on the row for the values and the mass."""
+        out, self._step_mass = attend_columns(queries, keys, values, scale, head_columns(self._slots),
+                                              self._wants_mass)
         return out
 
     def _query_weight(self, valid: list, n: int):
@@ -115,7 +149,8 @@ class _AttendMixin:
         graph would grow every step, holding each step's keys (memory growing with every token)."""
         if self._slots.score is None:
             return []
-        return [self._slots.score, self._slots.pos, *_state.held_arrays(self._states["scorer"]), *self._plan.arrays()]
+        return [self._slots.score, self._slots.pos, *_state.held_arrays(self._states["scorer"]), *self._plan.arrays(),
+                *self._slots.derived_arrays()]
 
     def _unobserved_step(self) -> None:
         """The model attended without mlx-lm's attention function: score with key-as-query."""

@@ -234,7 +234,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         need = self._rows.need(valid, g)
         freed = self._evict(need) if any(need) else None
         slots, rows = self._slots, self._rows
-        if S == 1 and slots.fits_one_token(rows.held):
+        if S == 1 and slots.fits_one_token(rows.held, self._hooks.selector.evict_count(g), g * max(rows.budget)):
             slots.write_token(keys, values, freed, slots.new_positions(rows.offset, valid, 1, b, keys.shape[1]))
         else:
             if freed is not None:

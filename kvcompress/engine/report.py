@@ -120,17 +120,8 @@ class _ViewMixin:
         k, v = self._slots.float_kv()
         if self._slots.g <= 1:
             return k, v, self._slots.pos, self._slots.score
-        g, t = self._slots.g, self._slots.pos.shape[-1]
-        owner = self._slots.owner()
-        own = mx.where(owner >= 0, owner, g)
-        order = mx.argsort(own * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
-        counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
-        start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]
-        w = max(int(counts.max().item()), 1)
-        idx = start[..., None] + mx.arange(w, dtype=mx.int32)  # [B, R, g, W]
-        ok = mx.arange(w, dtype=mx.int32) < counts[..., None]
-        b, r = owner.shape[:2]
-        slot = mx.take_along_axis(order, mx.minimum(idx, t - 1).reshape(b, r, g * w), axis=-1)
+        slot, ok = self._slots.head_slots()
+        b, r, g, w = ok.shape
 
         def take(a, fill):
             got = mx.take_along_axis(a, slot, axis=-1).reshape(b, r, g, w)
@@ -149,7 +140,8 @@ class _ViewMixin:
                     for a in _state.flatten_state(st)[1] + _state.derived_arrays(st))
         if self.keys is None:
             return extra
-        return self.keys.nbytes + self.values.nbytes + self._slots.pos.nbytes + self._slots.score.nbytes + extra
+        return (self.keys.nbytes + self.values.nbytes + self._slots.pos.nbytes + self._slots.score.nbytes + extra
+                + self._slots.extra_nbytes())
 
     @property
     def score_source(self) -> str:

@@ -9,7 +9,11 @@
 * ``n``: the stored width; ``g``: KV heads per row (0 before the first step);
 * ``written``: ``(keys, [slots])`` written since the last eviction (while those are all that
   changed: a disposition may then re-read only them); ``last``: the slots the last single token
-  went into (None when it was appended), which an exact trim frees.
+  went into (None when it was appended), which an exact trim frees;
+* ``version``: counts the changes of ``pos`` (every layout change makes a new one); head groups:
+  ``columns``, each head's slots listed for decode attention (:mod:`.heads`), ``appended``
+  ``(version before, version after, first slot or None)`` of the last token written into empty
+  slots (which extends the lists by a column), ``tokens``: the tokens stored so far.
 
 Rows may hold different counts; a row's unused slots are empty (position -1), and the masks come
 from the positions, so every layout here is exact for attention.
@@ -40,6 +44,8 @@ class Slots:
     step = 256
 
     def __init__(self):
+        self.version = 0
+        self.tokens = 0
         self.keys = self.values = None
         self.pos: Optional[mx.array] = None
         self.score: Optional[mx.array] = None
@@ -47,6 +53,17 @@ class Slots:
         self.g = 0
         self.written: Optional[tuple] = None
         self.last: Optional[mx.array] = None
+        self.columns = None  # heads.HeadColumns
+        self.appended: Optional[tuple] = None
+
+    @property
+    def pos(self) -> Optional[mx.array]:
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: Optional[mx.array]) -> None:
+        self._pos = value
+        self.version += 1
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -74,15 +91,67 @@ class Slots:
             return None
         return split_owner(self.pos)[1]
 
+    def head_slots(self) -> tuple:
+        """Head groups: each head's slots of its row, in slot order, ``(slot [B, R, g * W] int32,
+        ok [B, R, g, W])``: ``W`` the most any head holds (read on the host, a sync), a head
+        holding fewer padded (``ok`` False there)."""
+        g, t = self.g, self.pos.shape[-1]
+        owner = self.owner()
+        own = mx.where(owner >= 0, owner, g)
+        order = mx.argsort(own * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
+        counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
+        start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]
+        w = max(int(counts.max().item()), 1)
+        if self.columns is None or self.columns.version != self.version:  # (keep this layout's lists)
+            self.counted(w)
+        idx = start[..., None] + mx.arange(w, dtype=mx.int32)  # [B, R, g, W]
+        ok = mx.arange(w, dtype=mx.int32) < counts[..., None]
+        b, r = owner.shape[:2]
+        slot = mx.take_along_axis(order, mx.minimum(idx, t - 1).reshape(b, r, g * w), axis=-1).astype(mx.int32)
+        return slot, ok
+
+    def head_bound(self) -> int:
+        """At least the most slots any head of any row holds: the counts last taken (an array
+        computed steps ago, read now without waiting for the step in flight) plus one per token
+        stored since (an eviction only removes); the exact count, a sync, when none was taken."""
+        cols = self.columns
+        if cols is None or cols.counts is None:
+            owner = self.owner()
+            counts = (owner[..., None] == mx.arange(self.g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
+            return max(int(counts.max().item()), 1)
+        return max(int(cols.counts if isinstance(cols.counts, int) else cols.counts.item()) + self.tokens - cols.tokens, 1)
+
+    def counted(self, counts, dest: Optional[mx.array] = None) -> None:
+        """The most slots any head holds now (an int, or ``[B, R, g]`` counts, lazy: their max
+        is evaluated with the step, see :meth:`derived_arrays`) and, with ``dest``, the column
+        lists of this layout (:mod:`.heads`)."""
+        from .heads import HeadColumns
+
+        most = counts if isinstance(counts, int) else counts.max().reshape(1)
+        self.columns = HeadColumns(self.version if dest is not None else -1, dest, most, self.tokens)
+
+    def derived_arrays(self) -> list:
+        """What the slots derived from the step's layout (lazy until the step is evaluated)."""
+        cols = self.columns
+        return [a for a in (cols.dest, cols.counts) if isinstance(a, mx.array)] if cols is not None else []
+
+    def extra_nbytes(self) -> int:
+        """Bytes of what the slots derive from their layout (the column lists, the count)."""
+        return sum(a.nbytes for a in self.derived_arrays())
+
     def holes(self, held: list) -> bool:
         """Whether some row holds fewer slots than the width (empty slots in it)."""
         return any(n != self.n for n in held)
 
-    def fits_one_token(self, held: list) -> bool:
+    def fits_one_token(self, held: list, slack: int = 0, top: int = 0) -> bool:
         """Whether one token (``g`` slots per row) fits into every row's empty slots, without
-        more than one token's worth of empty width left over."""
+        more than one token's worth of empty width left over -- with head groups, ``slack``
+        (the slots one eviction frees, refilled in place rather than compacted away: decode
+        attends them by column lists, which empty slots do not widen) while the width stays
+        within ``top`` (the widest budget in slots)."""
         g = self.g
-        return all(self.n - n >= g for n in held) and self.n <= max(held) + g
+        room = max(g, slack) if g > 1 and self.n <= top else g
+        return all(self.n - n >= g for n in held) and self.n <= max(held) + room
 
     def written_slots(self):
         """The slots written since the last eviction, if those are all that changed (else None)."""
@@ -141,9 +210,12 @@ class Slots:
             if g == 1:
                 slot = mx.argmax(self.pos < 0, axis=-1, keepdims=True).astype(mx.int32)
             else:
+                # the first g empty slots: the g smallest keys (a partition, then a sort of g)
                 ar = mx.arange(self.n, dtype=mx.int32)
-                slot = mx.argsort(mx.where(self.pos < 0, ar, ar + self.n), axis=-1)[..., :g].astype(mx.int32)
+                key = mx.where(self.pos < 0, ar, ar + self.n)
+                slot = mx.sort(mx.partition(key, g - 1, axis=-1)[..., :g], axis=-1)
         idx = slot[..., None]
+        before = self.version
         chain = self.written is not None and self.written[0] is self.keys and len(self.written[1]) < 8
         self.keys = put_slots(self.keys, idx, keys)
         self.values = put_slots(self.values, idx, values)
@@ -151,6 +223,9 @@ class Slots:
         self.score = mx.put_along_axis(self.score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
         self.last = slot
         self.written = (self.keys, self.written[1] + [slot]) if chain else None
+        # into empty slots (nothing freed this step): each head's column list grows by one
+        self.appended = (before, self.version, None) if freed is None and g > 1 else None
+        self.tokens += 1
 
     def compact(self, held: list) -> None:
         """Move empty slots to the left and drop those every row has; with equal rows, only the
@@ -189,10 +264,14 @@ class Slots:
         self.written = None  # (the slice update below keeps the array object)
         self.keys[..., prev : prev + S, :] = keys
         self.values[..., prev : prev + S, :] = values
+        before = self.version
         self.pos = mx.concatenate([self.pos, pos], axis=2)
+        # one token after the stored slots: each head's column list grows by one (head j's slot: prev + j)
+        self.appended = (before, self.version, prev) if S == self.g > 1 else None
         self.score = mx.concatenate([self.score, mx.zeros((b, h, S), mx.float32)], axis=2)
         self.n = prev + S
         self.last = None
+        self.tokens += S // max(self.g, 1)  # one slot per head per token
 
     def drop_last(self, slots: int, scores: mx.array) -> None:
         """An exact trim: the last step's ``slots`` per row leave (freed where a single token was
@@ -247,7 +326,7 @@ class Slots:
 
     def set_layouts(self, parts: list, width: int) -> None:
         """Replace the storage by ``parts`` (laid out ``width`` wide) stacked along the batch."""
-        self.written, self.last = None, None
+        self.written, self.last, self.columns = None, None, None
         if parts:
             k, v, pos, score = zip(*parts)
             self.keys, self.values = concat_slots(list(k), axis=0), concat_slots(list(v), axis=0)
@@ -260,6 +339,7 @@ class Slots:
     def compacted_row(self, width: int) -> None:
         """Lay out this (single-row) storage ``width`` wide, contiguous in memory."""
         k, v, pos, score = self.laid_out(width)
+        self.columns = None
         self.keys, self.values = contiguous(k), contiguous(v)
         self.pos, self.score, self.n = mx.contiguous(pos), mx.contiguous(score), width
 

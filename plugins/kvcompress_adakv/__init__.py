@@ -3,9 +3,9 @@ AdaKV's allocation over SnapKV scores, as kvpress pairs them."""
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .selector import AdaptiveSelector, head_ranks
+from .selector import AdaptiveSelector, head_best
 
-__all__ = ["AdaptiveSelector", "head_ranks"]
+__all__ = ["AdaptiveSelector", "head_best"]
 
 PAPER = "https://arxiv.org/abs/2407.11550"
 

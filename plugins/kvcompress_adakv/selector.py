@@ -11,14 +11,16 @@ Here the cache stores the ``g`` heads of a *head group* in one row of ``g x C`` 
 tagged with its head, so the heads really hold different numbers of tokens within the bytes of
 uniform budgets -- unlike kvpress's AdaKV, which masks pruned keys and frees nothing. The
 selector evicts the lowest-score slots of the row, per (row), after protecting every head's
-sinks, recent window and ``ceil(alpha x C)`` best slots. Scores must be comparable across heads
-(attention masses are: each head's softmax sums to one per query).
+sinks, recent window and ``ceil(alpha x C)`` best slots (:func:`head_best`: by score, ties to
+the newer token, exactly that many). Scores must be comparable across heads (attention masses
+are: each head's softmax sums to one per query).
 
-Cost: a query head attends the ``g x C`` slots of its row under a mask (decode attention does
-``g`` times the work of uniform budgets); ``heads`` trades flexibility for speed. ``step``: each
-eviction frees a multiple of ``step`` slots of the row (the method's default 16; at least the
-``g`` a decode step needs), so decode ranks each head's slots once every ``step / g`` tokens
-instead of every token, and the following tokens refill the freed slots first.
+Cost: a query head attends only its own KV head's slots of the row, gathered (a prompt chunk) or
+listed as columns (a decode step), so attention does about the work of uniform budgets plus
+one product over the row; ``heads`` trades flexibility for speed. ``step``: each eviction frees
+a multiple of ``step`` slots of the row (the method's default 16; at least the ``g`` a decode
+step needs), so decode selects once every ``step / g`` tokens instead of every token, and the
+following tokens refill the freed slots in place.
 """
 
 from __future__ import annotations
@@ -34,21 +36,32 @@ from kvcompress import ConfigError
 from kvcompress.ops import lowest_k, sortable_bits
 from kvcompress_basic.selectors import LowestScoreSelector
 
-__all__ = ["AdaptiveSelector", "head_ranks"]
+__all__ = ["AdaptiveSelector", "head_best"]
 
 
-def head_ranks(scores: mx.array, owner: mx.array, g: int) -> mx.array:
-    """``[B, R, T]`` int32: each slot's rank by score (0 = best) among its own head's slots of
-    the row (empty slots, owner -1, rank after every real slot)."""
-    t = scores.shape[-1]
-    # sort by (owner, -score): each head's slots contiguous, best first
-    own = mx.where(owner >= 0, owner, g).astype(mx.uint64)
-    order = mx.argsort((own << 32) | sortable_bits(-scores.astype(mx.float32)).astype(mx.uint64), axis=-1)
-    rank_sorted = mx.argsort(order, axis=-1).astype(mx.int32)  # where each slot landed
-    counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)  # [B, R, g]
-    start = mx.concatenate([mx.zeros(counts.shape[:-1] + (1,), mx.int32), mx.cumsum(counts, axis=-1)], axis=-1)
-    first = mx.take_along_axis(start, mx.where(owner >= 0, owner, g).astype(mx.int32), axis=-1)
-    return mx.where(owner >= 0, rank_sorted - first, t)
+def head_best(scores: mx.array, owner: mx.array, positions: mx.array, g: int, k) -> mx.array:
+    """``[B, R, T]`` bool: each head's ``k`` best slots of its row by score, ties to the newer
+    token (all of a head holding fewer than ``k``; never an empty slot, owner -1). ``k``: an int,
+    or ``[B, 1, 1]`` per row. One partition per head (a sort only for per-row ``k``), not a rank
+    of every slot."""
+    # (score, position) as one unsigned key, larger = better (a head's positions are distinct);
+    # inverted, smaller = better, the largest value for the slots of other heads
+    key = (sortable_bits(scores.astype(mx.float32)).astype(mx.uint64) << 32) | mx.maximum(positions, 0).astype(mx.uint64)
+    inv = ~key
+    top = mx.full((1,), -1, mx.int64).view(mx.uint64)
+    mine = owner[..., None, :] == mx.arange(g, dtype=owner.dtype).reshape(g, 1)  # [B, R, g, T]
+    worse = mx.where(mine, inv[..., None, :], top)  # each head's, best first
+    if isinstance(k, mx.array):
+        kk = mx.broadcast_to(k.reshape(-1, 1, 1, 1), worse.shape[:-1] + (1,)).astype(mx.int32)
+        kth = mx.take_along_axis(mx.sort(worse, axis=-1), mx.clip(kk - 1, 0, None), axis=-1)
+        kth = mx.where(kk > 0, kth, 0)  # k = 0: nothing is within 0 of the best
+    elif k <= 0:
+        return mx.zeros(owner.shape, mx.bool_)
+    else:
+        k = min(k, worse.shape[-1])
+        kth = mx.partition(worse, k - 1, axis=-1)[..., k - 1 : k]  # [B, R, g, 1]: the k-th best
+    thr = mx.take_along_axis(kth[..., 0], mx.maximum(owner, 0).astype(mx.int32), axis=-1)
+    return (owner >= 0) & (inv <= thr)
 
 
 @attrs.frozen
@@ -99,6 +112,6 @@ class AdaptiveSelector(LowestScoreSelector):
         protected = sel.protected
         if sel.owner is not None and self.alpha > 0:
             floor = self._floor(sel.budget)
-            best = head_ranks(mx.where(protected, mx.inf, sel.scores), sel.owner, sel.heads_per_row)
-            protected = protected | (best < floor)
+            protected = protected | head_best(mx.where(protected, mx.inf, sel.scores), sel.owner,
+                                              sel.positions, sel.heads_per_row, floor)
         return lowest_k(sel.scores, sel.positions, self.evict_count(sel.n_evict), ordered=sel.row_counts is not None, exclude=protected)

@@ -1,0 +1,93 @@
+"""Decode attention over head-group rows (AdaKV's storage) without the owner mask.
+
+A row holds the slots of ``g`` KV heads, each slot tagged with its head, so the heads hold
+different counts within uniform bytes. Masking every query head to its own KV head's slots
+costs ``g`` times the softmax of uniform budgets (and on the CPU the softmax, not the products,
+is most of a decode step's attention). Instead each head's slots are listed once, as columns:
+
+* :class:`HeadColumns` ``dest [B, R, g, W]``: the row slot of each of head ``h``'s columns,
+  :data:`PAD` where the head holds fewer than ``W``;
+* a decode step takes the products of its query over the whole row (``[B, R, G, T]``, one
+  matrix product per row as before), gathers each query head's own columns, takes the softmax
+  over those ``W`` alone and puts the weights back on the row's slots, zero elsewhere, for the
+  value product and the mass: exactly the masked row's visible set, ``1 / g`` of its softmax;
+* the list is rebuilt after an eviction (or any other change of the row's layout) and extended
+  by one column per decode token (the ``g`` slots the token was written to). ``W`` must be read
+  on the host: :meth:`Slots.head_bound` bounds it without waiting for the step in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..ops import NEG, _exp_cpu
+
+__all__ = ["HeadColumns", "PAD", "attend_columns", "head_columns"]
+
+#: a column no head holds (beyond any row's width)
+PAD = 2**30
+
+
+class HeadColumns:
+    """What a head-group row's layout lets decode attention skip recomputing: ``dest``, the
+    column lists of the layout ``version`` (None: none listed), and the most slots any head
+    holds, ``counts`` (an int, or a scalar array evaluated with that step and read later),
+    when the slots had stored ``tokens`` tokens."""
+
+    def __init__(self, version: int, dest: Optional[mx.array], counts, tokens: int):
+        self.version, self.dest, self.counts, self.tokens = version, dest, counts, tokens
+
+
+def head_columns(slots) -> mx.array:
+    """``dest [B, R, g, W]`` int32 for the row layout ``slots`` holds now (see the module)."""
+    cols: Optional[HeadColumns] = slots.columns
+    if cols is not None and cols.dest is not None:
+        if cols.version == slots.version:
+            return cols.dest
+        app = slots.appended
+        if app is not None and app[0] == cols.version and app[1] == slots.version:  # one token: a column
+            b, r, g = cols.dest.shape[:3]
+            new = slots.last if app[2] is None else mx.broadcast_to(app[2] + mx.arange(g, dtype=mx.int32), (b, r, g))
+            cols.dest = mx.concatenate([cols.dest, new[..., None]], axis=-1)
+            cols.version = slots.version
+            return cols.dest
+    w = slots.head_bound()
+    owner = slots.owner()
+    g, t = slots.g, owner.shape[-1]
+    # each head's slots in slot order: sort by (head, slot), empty slots last
+    order = mx.argsort(mx.where(owner >= 0, owner, g) * t + mx.arange(t, dtype=mx.int32), axis=-1)
+    counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)  # [B, R, g]
+    start = mx.cumsum(counts, axis=-1) - counts
+    col = mx.arange(w, dtype=mx.int32)
+    b, r = owner.shape[:2]
+    at = mx.minimum(start[..., None] + col, t - 1).reshape(b, r, g * w)
+    dest = mx.take_along_axis(order, at, axis=-1).reshape(b, r, g, w).astype(mx.int32)
+    dest = mx.where(col < counts[..., None], dest, PAD)
+    slots.counted(counts, dest)
+    return dest
+
+
+def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bool):
+    """One query per head over head-group rows through :func:`head_columns` ``dest``: the
+    masked row's softmax (:func:`kvcompress.ops.attention` with ``owner``) over each head's own
+    slots only. Returns ``(out [B, H_q, 1, D], "group" mass [B, R, T] or None)``.
+
+    ``e = exp(x - max x)`` is taken over the columns, but summed on the row (slot order), so
+    the result depends on the row's layout only, never on the lists' order or padding: a saved
+    and loaded cache, whose lists are rebuilt, continues bit for bit."""
+    b, h_q, _, d = queries.shape
+    r, t = keys.shape[1], keys.shape[2]
+    rep = h_q // r // dest.shape[2]  # query heads per KV head
+    q = queries.astype(mx.float32).reshape(b, r, h_q // r, d) * scale
+    logits = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, R, G, T]
+    dq = mx.repeat(dest, rep, axis=2) if rep > 1 else dest  # each query head's KV head's columns
+    x = mx.where(dq < t, mx.take_along_axis(logits, mx.minimum(dq, t - 1), axis=-1), NEG)
+    z = x - x.max(axis=-1, keepdims=True)
+    e = _exp_cpu(z) if mx.default_device() == mx.cpu else mx.exp(z)  # as ops' softmax (0 on padding)
+    # onto the row's slots, zero elsewhere (padding onto one column past the row, dropped)
+    full = mx.put_along_axis(mx.zeros((b, r, h_q // r, t + 1), mx.float32), mx.minimum(dq, t), e, axis=-1)[..., :t]
+    full = full / full.sum(axis=-1, keepdims=True)
+    out = (full @ values.astype(mx.float32)).reshape(b, h_q, 1, -1).astype(queries.dtype)
+    return out, (full.mean(axis=2) * dest.shape[2] if mass else None)

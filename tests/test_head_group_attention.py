@@ -1,0 +1,80 @@
+"""Attention over head-group rows (AdaKV's storage: several KV heads' slots share a row, each
+slot tagged with its head). After an eviction a chunk attends each KV head's own slots gathered
+out of the row, and a decode step takes each query head's softmax over its own KV head's column
+list only. Both must see exactly what the owner-masked attention over the whole row sees
+(:func:`kvcompress.ops.attention` with ``owner``): the same outputs and the same attention mass
+(sums in another order: a tolerance), so the same scores and evictions."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base
+
+import kvcompress
+from kvcompress import CompressedKVCache, ops
+from kvcompress.engine.heads import PAD
+
+D = 16
+
+
+def _step(c, rng, n, kv_heads, rep, batch):
+    """One step straight to the cache through mlx-lm's attention function; returns the output,
+    the owner-masked reference over the row, the scores' change and the reference mass."""
+    k = mx.array(rng.standard_normal((batch, kv_heads, n, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((batch, kv_heads, n, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((batch, kv_heads * rep, n, D)).astype(np.float32) * 2)
+    kk, vv = c.update_and_fetch(k, v)
+    slots = c.parts.slots
+    before = np.array(c.slot_scores)
+    qpos = mx.broadcast_to(mx.arange(c.offset - n, c.offset, dtype=mx.int32).reshape(1, 1, n), (batch, 1, n))
+    want, mass = ops.attention(q, kk, vv, D**-0.5, slots.positions(), qpos, owner=slots.owner(),
+                               heads_per_row=c.heads_per_row, mass="group")
+    mask = c.make_mask(n, return_array=False) if n > 1 else None
+    out = base.scaled_dot_product_attention(q, kk, vv, cache=c, scale=D**-0.5, mask=mask)
+    return np.array(out), np.array(want), np.array(c.slot_scores) - before, np.array(mass)
+
+
+@pytest.mark.parametrize("scorer", ["h2o", "snapkv"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kv_heads,rep", [(2, 2), (3, 3), (4, 1)])
+@pytest.mark.parametrize("step", [1, 8])
+def test_steps_attend_each_heads_own_slots_as_the_owner_mask_does(scorer, batch, kv_heads, rep, step):
+    """Chunks (each head's slots gathered) and decode steps (each head's columns, rebuilt after
+    an eviction, extended by a column per token in between when ``step`` > heads per row)."""
+    method = kvcompress.build_method(scorer=scorer, selector={"name": "adaptive", "recent": 2, "step": step},
+                                     disposition="drop", budget={"name": "uniform", "budget": 16})
+    c = CompressedKVCache(method, 16)
+    rng = np.random.default_rng(batch * 7 + kv_heads + step)
+    for n in [16] * 4 + [1] * 24:
+        out, want, gained, mass = _step(c, rng, n, kv_heads, rep, batch)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        if scorer == "h2o":  # H2O adds the step's mass: the attention's own, put back on the row
+            np.testing.assert_allclose(gained, mass, rtol=1e-4, atol=1e-6)
+    assert c.heads_per_row == kv_heads and c.evictions > 0
+
+
+@pytest.mark.parametrize("step", [1, 5, 16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_columns_list_each_heads_slots_exactly_once(step, batch):
+    """After every decode step the column lists describe the row as it stands: head ``h``'s
+    columns are exactly the slots it owns, each once, and the host bound covers the most any
+    head holds."""
+    from conftest import tiny_llama
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=8, kv_heads=4, seed=3)
+    tokens = mx.array(np.random.default_rng(step + batch).integers(1, 97, (batch, 120)), dtype=mx.int32)
+    caches = kvcompress.make_prompt_cache(model, "adakv", budget=24, recent=2, step=step)
+    model(tokens[:, :40], cache=caches)
+    for i in range(40, 120):
+        model(tokens[:, i : i + 1], cache=caches)
+        for c in caches:
+            sl = c.parts.slots
+            assert sl.columns is not None and sl.columns.version == sl.version  # this step's attention used them
+            dest, owner = np.array(sl.columns.dest), np.array(sl.owner())
+            assert sl.head_bound() >= max(int((owner == h).sum(-1).max()) for h in range(sl.g))
+            for b, r, h in np.ndindex(*dest.shape[:3]):
+                listed = dest[b, r, h][dest[b, r, h] < PAD]
+                assert sorted(listed.tolist()) == np.flatnonzero(owner[b, r] == h).tolist()
+    assert caches[0].evictions > 1
