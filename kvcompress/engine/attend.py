@@ -85,13 +85,13 @@ class _AttendMixin:
             if bias is not None:
                 own = bias
             return sdpa(queries, split(keys), split(values), cache=None, scale=scale, mask=own, sinks=sinks)
-        pos, owner = self._slots.positions(), self._slots.owner()
         _, valid, _ = self._pending
         plain = bias is None and isinstance(keys, mx.array) and isinstance(values, mx.array)
+        if plain and n == 1 and sinks is None and valid == [1] * len(valid):  # a decode step: each head's columns
+            return self._attend_columns(queries, keys, values, scale)
+        pos, owner = self._slots.positions_and_owner()
         if n > 1 and plain:
             return self._attend_heads(queries, keys, values, scale, pos, valid, sinks)
-        if plain and sinks is None and valid == [1] * len(valid):  # a decode step: each head's columns
-            return self._attend_columns(queries, keys, values, scale)
         # else (sinks, a model's additive mask, low-bit slots, padding queries): the exact slot and
         # owner mask in kvcompress's attention (its grouped products beat mlx's masked CPU
         # fallback, which broadcasts the keys over each group's query heads)
@@ -206,13 +206,14 @@ class _AttendMixin:
         self._attended = self._attn_keys = self._bias = None
         mass, self._step_mass = self._step_mass, None
         before = (self._slots.score, self._states["scorer"])
+        pos, owner = self._slots.positions_and_owner()
         obs = Observation(
-            queries=queries, keys=k, positions=self._slots.positions(), query_positions=qpos, n_new=S, scale=scale,
+            queries=queries, keys=k, positions=pos, query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             all_visible=S == 1 and not self._slots.holes(self._rows.held) and self._slots.g == 1, bias=bias, values=self._slots.float_kv()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
-            owner=self._slots.owner(), heads_per_row=self._slots.g,
+            owner=owner, heads_per_row=self._slots.g,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)

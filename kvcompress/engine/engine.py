@@ -308,7 +308,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         seen = self._rows.seen()
         off, offs, bud = self._offset(), tuple(seen), self._budget_arg()
         sel_c = self.method.selector
-        pos, owner = self._slots.positions(), self._slots.owner()
+        pos, owner = self._slots.positions_and_owner()
         protected = sel_c.protected(pos, off, bud)
         if self._slots.holes(self._rows.held):
             protected = protected | (self._slots.pos < 0)

@@ -91,6 +91,10 @@ class Slots:
             return None
         return split_owner(self.pos)[1]
 
+    def positions_and_owner(self) -> tuple:
+        """``(positions(), owner())`` from one split."""
+        return (self.pos, None) if self.g <= 1 else split_owner(self.pos)
+
     def head_slots(self) -> tuple:
         """Head groups: each head's slots of its row, in slot order, ``(slot [B, R, g * W] int32,
         ok [B, R, g, W])``: ``W`` the most any head holds (read on the host, a sync), a head
