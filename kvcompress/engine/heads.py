@@ -54,17 +54,9 @@ def head_columns(slots) -> mx.array:
             cols.version = slots.version
             return cols.dest
     w = slots.head_bound()
-    owner = slots.owner()
-    g, t = slots.g, owner.shape[-1]
-    # each head's slots in slot order: sort by (head, slot), empty slots last
-    order = mx.argsort(mx.where(owner >= 0, owner, g) * t + mx.arange(t, dtype=mx.int32), axis=-1)
-    counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)  # [B, R, g]
-    start = mx.cumsum(counts, axis=-1) - counts
-    col = mx.arange(w, dtype=mx.int32)
-    b, r = owner.shape[:2]
-    at = mx.minimum(start[..., None] + col, t - 1).reshape(b, r, g * w)
-    dest = mx.take_along_axis(order, at, axis=-1).reshape(b, r, g, w).astype(mx.int32)
-    dest = mx.where(col < counts[..., None], dest, PAD)
+    counts = slots.head_counts()
+    slot, ok = slots.head_index(counts, w)
+    dest = mx.where(ok, slot, PAD)
     slots.counted(counts, dest)
     return dest
 

@@ -26,6 +26,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..storage import as_float, concat_slots, contiguous, fill_from_end, pad_slots, put_slots, take_slots, zeros_like_rows
+from .heads import HeadColumns
 
 __all__ = ["Slots", "OWNER_SHIFT", "split_owner"]
 
@@ -95,24 +96,33 @@ class Slots:
         """``(positions(), owner())`` from one split."""
         return (self.pos, None) if self.g <= 1 else split_owner(self.pos)
 
-    def head_slots(self) -> tuple:
-        """Head groups: each head's slots of its row, in slot order, ``(slot [B, R, g * W] int32,
-        ok [B, R, g, W])``: ``W`` the most any head holds (read on the host, a sync), a head
-        holding fewer padded (``ok`` False there)."""
+    def head_counts(self) -> mx.array:
+        """``[B, R, g]`` int32: the slots each head of each row holds (head groups)."""
+        owner = self.owner()
+        return (owner[..., None] == mx.arange(self.g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
+
+    def head_index(self, counts: mx.array, w: int) -> tuple:
+        """Each head's slots of its row in slot order, ``W = w`` columns: ``(slot [B, R, g, W]
+        int32, ok [B, R, g, W])``, a head holding fewer padded (``ok`` False, ``slot`` any)."""
         g, t = self.g, self.pos.shape[-1]
         owner = self.owner()
-        own = mx.where(owner >= 0, owner, g)
-        order = mx.argsort(own * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
-        counts = (owner[..., None] == mx.arange(g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
-        start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]
+        order = mx.argsort(mx.where(owner >= 0, owner, g) * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
+        start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]: each head's first place in that order
+        col = mx.arange(w, dtype=mx.int32)
+        b, r = owner.shape[:2]
+        at = mx.minimum(start[..., None] + col, t - 1).reshape(b, r, g * w)
+        slot = mx.take_along_axis(order, at, axis=-1).reshape(b, r, g, w).astype(mx.int32)
+        return slot, col < counts[..., None]
+
+    def head_slots(self) -> tuple:
+        """:meth:`head_index` as wide as the most any head holds (read on the host, a sync):
+        ``(slot [B, R, g * W], ok [B, R, g, W])``."""
+        counts = self.head_counts()
         w = max(int(counts.max().item()), 1)
         if self.columns is None or self.columns.version != self.version:  # (keep this layout's lists)
             self.counted(w)
-        idx = start[..., None] + mx.arange(w, dtype=mx.int32)  # [B, R, g, W]
-        ok = mx.arange(w, dtype=mx.int32) < counts[..., None]
-        b, r = owner.shape[:2]
-        slot = mx.take_along_axis(order, mx.minimum(idx, t - 1).reshape(b, r, g * w), axis=-1).astype(mx.int32)
-        return slot, ok
+        slot, ok = self.head_index(counts, w)
+        return slot.reshape(slot.shape[0], slot.shape[1], -1), ok
 
     def head_bound(self) -> int:
         """At least the most slots any head of any row holds: the counts last taken (an array
@@ -120,17 +130,13 @@ class Slots:
         stored since (an eviction only removes); the exact count, a sync, when none was taken."""
         cols = self.columns
         if cols is None or cols.counts is None:
-            owner = self.owner()
-            counts = (owner[..., None] == mx.arange(self.g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
-            return max(int(counts.max().item()), 1)
+            return max(int(self.head_counts().max().item()), 1)
         return max(int(cols.counts if isinstance(cols.counts, int) else cols.counts.item()) + self.tokens - cols.tokens, 1)
 
     def counted(self, counts, dest: Optional[mx.array] = None) -> None:
         """The most slots any head holds now (an int, or ``[B, R, g]`` counts, lazy: their max
         is evaluated with the step, see :meth:`derived_arrays`) and, with ``dest``, the column
         lists of this layout (:mod:`.heads`)."""
-        from .heads import HeadColumns
-
         most = counts if isinstance(counts, int) else counts.max().reshape(1)
         self.columns = HeadColumns(self.version if dest is not None else -1, dest, most, self.tokens)
 
