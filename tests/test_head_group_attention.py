@@ -78,3 +78,35 @@ def test_decode_columns_list_each_heads_slots_exactly_once(step, batch):
                 listed = dest[b, r, h][dest[b, r, h] < PAD]
                 assert sorted(listed.tolist()) == np.flatnonzero(owner[b, r] == h).tolist()
     assert caches[0].evictions > 1
+
+
+def test_decode_reads_on_the_host_only_counts_taken_at_an_earlier_step():
+    """The column lists' width is read on the host when they are rebuilt (after an eviction):
+    from the counts an earlier step took (already evaluated with that step), so a decode step
+    never waits on the one in flight. Every host read a decode step makes is of such an array."""
+    from unittest import mock
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=8, kv_heads=4, seed=4)
+    tokens = mx.array(np.random.default_rng(4).integers(1, 97, (1, 110)), dtype=mx.int32)
+    caches = kvcompress.make_prompt_cache(model, "adakv", budget=24, recent=2)
+    mx.eval(model(tokens[:, :40], cache=caches))
+    mx.eval(model(tokens[:, 40:41], cache=caches))  # the first rebuild after the prompt
+    reads, item = [], mx.array.item
+
+    def spy(a):
+        reads.append(a)
+        return item(a)
+
+    rebuilds = 0
+    for i in range(41, 110):
+        taken = [c.parts.slots.columns.counts for c in caches]
+        versions = [c.parts.slots.columns.version for c in caches]
+        with mock.patch.object(mx.array, "item", spy):
+            out = model(tokens[:, i : i + 1], cache=caches)
+        assert all(any(a is t for t in taken if isinstance(t, mx.array)) for a in reads), i
+        rebuilds += sum(c.parts.slots.columns.version != v + 1 for c, v in zip(caches, versions))
+        reads.clear()
+        mx.eval(out)
+    assert rebuilds > 4  # evictions rebuilt the lists, each reading an earlier step's counts
