@@ -47,7 +47,7 @@ def test_steps_attend_each_heads_own_slots_as_the_owner_mask_does(scorer, batch,
                                      disposition="drop", budget={"name": "uniform", "budget": 16})
     c = CompressedKVCache(method, 16)
     rng = np.random.default_rng(batch * 7 + kv_heads + step)
-    for n in [16] * 4 + [1] * 24:
+    for n in [24, 24, 8, 24, 3] + [1] * 12 + [20, 4] + [1] * 12:  # chunks gathered (> 16), short steps masked
         out, want, gained, mass = _step(c, rng, n, kv_heads, rep, batch)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
         if scorer == "h2o":  # H2O adds the step's mass: the attention's own, put back on the row

@@ -90,11 +90,12 @@ class _AttendMixin:
         if plain and n == 1 and sinks is None and valid == [1] * len(valid):  # a decode step: each head's columns
             return self._attend_columns(queries, keys, values, scale)
         pos, owner = self._slots.positions_and_owner()
-        if n > 1 and plain:
+        if n > UNDO_TOKENS and plain:  # a prompt chunk: each head's slots gathered
             return self._attend_heads(queries, keys, values, scale, pos, valid, sinks)
-        # else (sinks, a model's additive mask, low-bit slots, padding queries): the exact slot and
-        # owner mask in kvcompress's attention (its grouped products beat mlx's masked CPU
-        # fallback, which broadcasts the keys over each group's query heads)
+        # else (a short step, e.g. a draft to verify, whose gather's host read would cost more than
+        # it saves; sinks, a model's additive mask, low-bit slots, padding queries): the exact
+        # slot and owner mask in kvcompress's attention (its grouped products beat mlx's masked
+        # CPU fallback, which broadcasts the keys over each group's query heads)
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
             mass="group" if self._wants_mass else None, bias=bias, sinks=sinks, owner=owner, heads_per_row=g,
