@@ -54,8 +54,9 @@ def head_columns(slots) -> mx.array:
             cols.version = slots.version
             return cols.dest
     w = slots.head_bound()
-    counts = slots.head_counts()
-    slot, ok = slots.head_index(counts, w)
+    owner = slots.owner()
+    counts = slots.head_counts(owner)
+    slot, ok = slots.head_index(counts, w, owner)
     dest = mx.where(ok, slot, PAD)
     slots.counted(counts, dest)
     return dest

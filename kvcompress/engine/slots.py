@@ -25,6 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..ops import owner_mask
 from ..storage import as_float, concat_slots, contiguous, fill_from_end, pad_slots, put_slots, take_slots, zeros_like_rows
 from .heads import HeadColumns
 
@@ -82,30 +83,27 @@ class Slots:
 
     def positions(self) -> mx.array:
         """Token position of each slot (-1: empty), without the head-group owner bits."""
-        if self.g <= 1:
-            return self.pos
-        return split_owner(self.pos)[0]
+        return self.positions_and_owner()[0]
 
     def owner(self):
         """Head of each slot within its row (head groups only; -1: empty), else None."""
-        if self.g <= 1:
-            return None
-        return split_owner(self.pos)[1]
+        return self.positions_and_owner()[1]
 
     def positions_and_owner(self) -> tuple:
         """``(positions(), owner())`` from one split."""
         return (self.pos, None) if self.g <= 1 else split_owner(self.pos)
 
-    def head_counts(self) -> mx.array:
-        """``[B, R, g]`` int32: the slots each head of each row holds (head groups)."""
-        owner = self.owner()
-        return (owner[..., None] == mx.arange(self.g, dtype=owner.dtype)).astype(mx.int32).sum(axis=-2)
+    def head_counts(self, owner: Optional[mx.array] = None) -> mx.array:
+        """``[B, R, g]`` int32: the slots each head of each row holds (head groups; ``owner``:
+        :meth:`owner`, if the caller has it)."""
+        owner = self.owner() if owner is None else owner
+        return owner_mask(owner, self.g, self.g).astype(mx.int32).sum(axis=-1)
 
-    def head_index(self, counts: mx.array, w: int) -> tuple:
+    def head_index(self, counts: mx.array, w: int, owner: Optional[mx.array] = None) -> tuple:
         """Each head's slots of its row in slot order, ``W = w`` columns: ``(slot [B, R, g, W]
         int32, ok [B, R, g, W])``, a head holding fewer padded (``ok`` False, ``slot`` any)."""
         g, t = self.g, self.pos.shape[-1]
-        owner = self.owner()
+        owner = self.owner() if owner is None else owner
         order = mx.argsort(mx.where(owner >= 0, owner, g) * t + mx.arange(t, dtype=mx.int32), axis=-1)  # heads contiguous
         start = mx.cumsum(counts, axis=-1) - counts  # [B, R, g]: each head's first place in that order
         col = mx.arange(w, dtype=mx.int32)
@@ -117,11 +115,12 @@ class Slots:
     def head_slots(self) -> tuple:
         """:meth:`head_index` as wide as the most any head holds (read on the host, a sync):
         ``(slot [B, R, g * W], ok [B, R, g, W])``."""
-        counts = self.head_counts()
+        owner = self.owner()
+        counts = self.head_counts(owner)
         w = max(int(counts.max().item()), 1)
         if self.columns is None or self.columns.version != self.version:  # (keep this layout's lists)
             self.counted(w)
-        slot, ok = self.head_index(counts, w)
+        slot, ok = self.head_index(counts, w, owner)
         return slot.reshape(slot.shape[0], slot.shape[1], -1), ok
 
     def head_bound(self) -> int:

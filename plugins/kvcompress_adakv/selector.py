@@ -33,7 +33,7 @@ import mlx.core as mx
 from attrs.validators import ge, instance_of, le
 
 from kvcompress import ConfigError
-from kvcompress.ops import lowest_k, sortable_bits
+from kvcompress.ops import lowest_k, owner_mask, sortable_bits
 from kvcompress_basic.selectors import LowestScoreSelector
 
 __all__ = ["AdaptiveSelector", "head_best"]
@@ -49,7 +49,7 @@ def head_best(scores: mx.array, owner: mx.array, positions: mx.array, g: int, k)
     key = (sortable_bits(scores.astype(mx.float32)).astype(mx.uint64) << 32) | mx.maximum(positions, 0).astype(mx.uint64)
     inv = ~key
     top = mx.full((1,), -1, mx.int64).view(mx.uint64)
-    mine = owner[..., None, :] == mx.arange(g, dtype=owner.dtype).reshape(g, 1)  # [B, R, g, T]
+    mine = owner_mask(owner, g, g)  # [B, R, g, T]: head h's slots
     worse = mx.where(mine, inv[..., None, :], top)  # each head's, best first
     if isinstance(k, mx.array):
         kk = mx.broadcast_to(k.reshape(-1, 1, 1, 1), worse.shape[:-1] + (1,)).astype(mx.int32)
