@@ -235,7 +235,8 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         freed = self._evict(need) if any(need) else None
         slots, rows = self._slots, self._rows
         if S == 1 and slots.fits_one_token(rows.held, self._hooks.selector.evict_count(g), g * max(rows.budget)):
-            slots.write_token(keys, values, freed, slots.new_positions(rows.offset, valid, 1, b, keys.shape[1]))
+            empty = slots.n - rows.held[0] if len(set(rows.held)) == 1 and min(valid) == 1 else 0
+            slots.write_token(keys, values, freed, slots.new_positions(rows.offset, valid, 1, b, keys.shape[1]), empty)
         else:
             if freed is not None:
                 slots.mark_freed(*freed)

@@ -12,7 +12,8 @@ is most of a decode step's attention). Instead each head's slots are listed once
   over those ``W`` alone and puts the weights back on the row's slots, zero elsewhere, for the
   value product and the mass: exactly the masked row's visible set, ``1 / g`` of its softmax;
 * the list is rebuilt after an eviction (or any other change of the row's layout) and extended
-  by one column per decode token (the ``g`` slots the token was written to). ``W`` must be read
+  by one column per decode token (the ``g`` slots the token was written to, which
+  :attr:`Slots.appended` names). ``W`` must be read
   on the host: :meth:`Slots.head_bound` bounds it without waiting for the step in flight.
 """
 
@@ -26,8 +27,9 @@ from ..ops import NEG, _exp_cpu
 
 __all__ = ["HeadColumns", "PAD", "attend_columns", "head_columns"]
 
-#: a column no head holds (beyond any row's width)
-PAD = 2**30
+#: a column no head holds: negative indices wrap, so it reads (and writes) one column past the
+#: row, which :func:`attend_columns` appends to the products (a logit of ``NEG``) and drops
+PAD = -1
 
 
 class HeadColumns:
@@ -47,10 +49,8 @@ def head_columns(slots) -> mx.array:
         if cols.version == slots.version:
             return cols.dest
         app = slots.appended
-        if app is not None and app[0] == cols.version and app[1] == slots.version:  # one token: a column
-            b, r, g = cols.dest.shape[:3]
-            new = slots.last if app[2] is None else mx.broadcast_to(app[2] + mx.arange(g, dtype=mx.int32), (b, r, g))
-            cols.dest = mx.concatenate([cols.dest, new[..., None]], axis=-1)
+        if app is not None and app[:2] == (cols.version, slots.version):  # one token: a column (its g slots)
+            cols.dest = mx.concatenate([cols.dest, app[2][..., None]], axis=-1)
             cols.version = slots.version
             return cols.dest
     w = slots.head_bound()
@@ -72,15 +72,19 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     and loaded cache, whose lists are rebuilt, continues bit for bit."""
     b, h_q, _, d = queries.shape
     r, t = keys.shape[1], keys.shape[2]
-    rep = h_q // r // dest.shape[2]  # query heads per KV head
-    q = queries.astype(mx.float32).reshape(b, r, h_q // r, d) * scale
+    g = dest.shape[2]
+    rep = h_q // r // g  # query heads per KV head
+    q = queries.reshape(b, r, h_q // r, d)
+    q = (q if q.dtype == mx.float32 else q.astype(mx.float32)) * scale
     logits = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, R, G, T]
-    dq = mx.repeat(dest, rep, axis=2) if rep > 1 else dest  # each query head's KV head's columns
-    x = mx.where(dq < t, mx.take_along_axis(logits, mx.minimum(dq, t - 1), axis=-1), NEG)
+    # one more column (PAD's) of NEG; [B, R, g, rep, T + 1]: each KV head's query heads together
+    logits = mx.pad(logits.reshape(b, r, g, rep, t), [(0, 0)] * 4 + [(0, 1)], constant_values=NEG)
+    at = dest[:, :, :, None, :]  # each query head's KV head's columns
+    x = mx.take_along_axis(logits, at, axis=-1)
     z = x - x.max(axis=-1, keepdims=True)
     e = _exp_cpu(z) if mx.default_device() == mx.cpu else mx.exp(z)  # as ops' softmax (0 on padding)
-    # onto the row's slots, zero elsewhere (padding onto one column past the row, dropped)
-    full = mx.put_along_axis(mx.zeros((b, r, h_q // r, t + 1), mx.float32), mx.minimum(dq, t), e, axis=-1)[..., :t]
+    # onto the row's slots, zero elsewhere (padding onto the extra column, dropped)
+    full = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), at, e, axis=-1).reshape(b, r, h_q // r, t + 1)[..., :t]
     full = full / full.sum(axis=-1, keepdims=True)
     out = (full @ values.astype(mx.float32)).reshape(b, h_q, 1, -1).astype(queries.dtype)
-    return out, (full.mean(axis=2) * dest.shape[2] if mass else None)
+    return out, (full.mean(axis=2) * g if mass else None)

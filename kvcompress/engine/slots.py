@@ -12,8 +12,11 @@
   went into (None when it was appended), which an exact trim frees;
 * ``version``: counts the changes of ``pos`` (every layout change makes a new one); head groups:
   ``columns``, each head's slots listed for decode attention (:mod:`.heads`), ``appended``
-  ``(version before, version after, first slot or None)`` of the last token written into empty
-  slots (which extends the lists by a column), ``tokens``: the tokens stored so far.
+  ``(version before, version after, slots [B, R, g])`` of the last token written into empty
+  slots or appended (which extends the lists by a column), ``tokens``: the tokens stored so far;
+  ``free``: after an eviction that freed more than one token's slots, the row's empty slots in
+  order, which the following tokens take in turn (``(slots [B, R, E], taken, version)``, valid
+  while the layout is that ``version``: the first empty slots, without a search per token).
 
 Rows may hold different counts; a row's unused slots are empty (position -1), and the masks come
 from the positions, so every layout here is exact for attention.
@@ -57,6 +60,7 @@ class Slots:
         self.last: Optional[mx.array] = None
         self.columns = None  # heads.HeadColumns
         self.appended: Optional[tuple] = None
+        self.free: Optional[tuple] = None
 
     @property
     def pos(self) -> Optional[mx.array]:
@@ -177,6 +181,9 @@ class Slots:
         """Positions of a step's tokens (offsets before the step; -1 for padding), ``g`` slots
         per token with head groups (the owner in the high bits)."""
         if self.g > 1:
+            if S == 1 and min(valid) == 1 and min(offsets) >= 0:  # a decode token: built on the host
+                packed = mx.array([[[o | (j << OWNER_SHIFT) for j in range(self.g)]] for o in offsets], mx.int32)
+                return packed if h == 1 else mx.broadcast_to(packed, (b, h, self.g))
             return self.new_pos_from(_token_positions(offsets, valid, S, b, 1), b, h)
         return _token_positions(offsets, valid, S, b, h)
 
@@ -195,6 +202,8 @@ class Slots:
         if g <= 1:
             return a
         b, h, S, _ = a.shape
+        if S == 1:
+            return a.reshape(b, h // g, g, -1)
         return a.reshape(b, h // g, g, S, -1).transpose(0, 1, 3, 2, 4).reshape(b, h // g, S * g, -1)
 
     # -- layout changes -------------------------------------------------------------------------
@@ -207,33 +216,42 @@ class Slots:
             gone = mx.where(real, gone, mx.take_along_axis(self.pos, slots, axis=-1))
         self.pos = mx.put_along_axis(self.pos, slots, gone, axis=-1)
 
-    def write_token(self, keys, values, freed, pos) -> None:
+    def write_token(self, keys, values, freed, pos, empty: int = 0) -> None:
         """One token (``g`` slots per row) into empty slots: the ones just freed, if exactly
-        that many, else the first empty ones; ``pos`` ``[B, R, g]`` their positions."""
+        that many, else the first empty ones; ``pos`` ``[B, R, g]`` their positions; ``empty``:
+        the empty slots every row holds (0: rows differ), whose sorted list :attr:`free` keeps
+        for the next tokens (head groups)."""
         b, h, g = keys.shape[0], keys.shape[1], self.g
+        free = None
         if freed is not None and freed[1] is None and freed[0].shape[-1] == g:
             slot = freed[0]  # the slots each row just freed: the token goes there
         else:
             if freed is not None:
                 self.mark_freed(*freed)
-            if g == 1:
+            q = self.free
+            if g > 1 and q is not None and q[2] == self.version and q[0].shape[-1] - q[1] == empty >= g:
+                slot, free = q[0][..., q[1] : q[1] + g], (q[0], q[1] + g)  # the next of the list
+            elif g == 1:
                 slot = mx.argmax(self.pos < 0, axis=-1, keepdims=True).astype(mx.int32)
             else:
-                # the first g empty slots: the g smallest keys (a partition, then a sort of g)
+                # the first k empty slots: the k smallest keys (a partition, then a sort of k)
+                k = empty if empty >= 2 * g else g
                 ar = mx.arange(self.n, dtype=mx.int32)
                 key = mx.where(self.pos < 0, ar, ar + self.n)
-                slot = mx.sort(mx.partition(key, g - 1, axis=-1)[..., :g], axis=-1)
+                first = mx.sort(mx.partition(key, k - 1, axis=-1)[..., :k], axis=-1)
+                slot, free = (first[..., :g], (first, g)) if k > g else (first, None)
         idx = slot[..., None]
         before = self.version
         chain = self.written is not None and self.written[0] is self.keys and len(self.written[1]) < 8
         self.keys = put_slots(self.keys, idx, keys)
         self.values = put_slots(self.values, idx, values)
         self.pos = mx.put_along_axis(self.pos, slot, pos, axis=-1)
-        self.score = mx.put_along_axis(self.score, slot, mx.zeros((b, h, g), mx.float32), axis=-1)
+        self.score = mx.put_along_axis(self.score, slot, mx.array(0.0), axis=-1)
         self.last = slot
         self.written = (self.keys, self.written[1] + [slot]) if chain else None
         # into empty slots (nothing freed this step): each head's column list grows by one
-        self.appended = (before, self.version, None) if freed is None and g > 1 else None
+        self.appended = (before, self.version, slot) if freed is None and g > 1 else None
+        self.free = free + (self.version,) if free is not None else None
         self.tokens += 1
 
     def compact(self, held: list) -> None:
@@ -276,7 +294,10 @@ class Slots:
         before = self.version
         self.pos = mx.concatenate([self.pos, pos], axis=2)
         # one token after the stored slots: each head's column list grows by one (head j's slot: prev + j)
-        self.appended = (before, self.version, prev) if S == self.g > 1 else None
+        self.appended = None
+        if S == self.g > 1:
+            at = mx.array([prev + j for j in range(S)], mx.int32)
+            self.appended = (before, self.version, mx.broadcast_to(at, (b, h, S)))
         self.score = mx.concatenate([self.score, mx.zeros((b, h, S), mx.float32)], axis=2)
         self.n = prev + S
         self.last = None
