@@ -146,7 +146,7 @@ class Selector(Protocol):
         """``[B, H, T]`` bool: slots that may never leave (``offset``/``budget`` ``[B, 1, 1]``)."""
 
     def select(self, sel: Selection) -> mx.array:
-        """``[B, H, evict_count(sel.n_evict)]`` int32 distinct unprotected slots to free
+        """``[B, H, evict_count(sel.n_evict, budget)]`` int32 distinct unprotected slots to free
         (in priority order when ``sel.row_counts`` is given)."""
 
 
@@ -231,8 +231,9 @@ class ScorerHooks:
 
 
 class SelectorHooks:
-    def evict_count(self, n_evict: int) -> int:
-        """Slots :meth:`Selector.select` frees when ``n_evict`` are needed (whole chunks)."""
+    def evict_count(self, n_evict: int, budget: int) -> int:
+        """Slots :meth:`Selector.select` frees when ``n_evict`` are needed in a row of that
+        ``budget`` (whole chunks; a step that may grow with the budget)."""
 
     def head_group(self, layer: LayerInfo, n_kv_heads: int) -> int:
         """KV heads sharing one row of slots (head-wise budgets, AdaKV): the row holds
@@ -290,7 +291,7 @@ def component_hooks(kind: str, comp) -> dict:
     return {name: getattr(comp, name) for name in OPTIONAL_HOOKS[kind] if callable(getattr(type(comp), name, None))}
 
 
-def _count_as_asked(n_evict: int) -> int:  # evict_count's default
+def _count_as_asked(n_evict: int, budget: int) -> int:  # evict_count's default
     return n_evict
 
 

@@ -233,10 +233,11 @@ class Selection:
 
     ``n_evict`` slots per row, or, when ``row_counts`` (``[B, 1, 1]`` int32) is given, row
     ``b`` frees only ``row_counts[b]``: the selector then returns the ``n_evict`` choice in
-    priority order (most evictable first), so that each row's first ``evict_count(row_counts[b])``
-    entries are its choice. ``protected`` ``[B, H, T]`` bool marks slots that may not leave:
-    the selector's own :meth:`Selector.protected` mask plus every empty slot. ``budget`` is the
-    rows' kept-token budget: an int, or ``[B, 1, 1]`` int32 when rows have different budgets.
+    priority order (most evictable first), so that each row's first ``evict_count(row_counts[b],
+    budgets[b])`` entries are its choice. ``protected`` ``[B, H, T]`` bool marks slots that may
+    not leave: the selector's own :meth:`Selector.protected` mask plus every empty slot.
+    ``budget`` is the rows' kept-token budget: an int, or ``[B, 1, 1]`` int32 when rows have
+    different budgets; ``budgets`` the same per row as host ints (empty: every row ``budget``).
     """
 
     scores: mx.array
@@ -250,9 +251,18 @@ class Selection:
     row_counts: Optional[mx.array] = None
     state: Any = None
     group: Any = attrs.field(default=None, repr=False)
+    budgets: tuple = ()
     #: head groups: the head of each slot within its row (a selector may balance heads), or None
     owner: Optional[mx.array] = None
     heads_per_row: int = 1
+
+    def widest_budget(self) -> int:
+        """The largest row budget, a host int (what :meth:`SelectorHooks.evict_count` takes)."""
+        if self.budgets:
+            return max(self.budgets)
+        if isinstance(self.budget, int):
+            return self.budget
+        raise ValueError("Selection: a [B, 1, 1] budget array needs budgets (the same as host ints)")
 
 
 @attrs.define(slots=True, kw_only=True)

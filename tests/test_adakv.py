@@ -108,9 +108,9 @@ def test_bytes_held_never_exceed_uniform_budgets(kv_heads):
         assert all(c.evictions > 0 for c in cache)
     assert all(a <= b for a, b in zip(held["adakv"], held["snapkv"])), held
     assert extra["snapkv"] == [0, 0]
-    step = kvcompress.build_method("adakv").selector.step
     for c, x in zip(caches["adakv"], extra["adakv"]):  # [B, R, g, W] int32 lists + [B, R, g] counts
         rows, g = 2 * (kv_heads // c.heads_per_row), c.heads_per_row
+        step = c.method.selector.evict_count(1, c.budget)
         assert (0 < x <= 4 * rows * g * (g * c.budget + step + 1)) if g > 1 else x == 0
 
 
@@ -227,15 +227,26 @@ def test_step_rounds_evictions_up_and_reserves_room_for_them():
     """``step`` frees whole multiples of ``step`` slots; the budget must leave the ``step - 1``
     extra slots evictable, and a smaller one is refused naming the smallest that builds."""
     sel = AdaptiveSelector(recent=4, alpha=0.2, step=16)
-    assert [sel.evict_count(e) for e in (1, 3, 16, 17)] == [16, 16, 16, 32]
+    assert [sel.evict_count(e, b) for e, b in ((1, 64), (3, 4096), (16, 64), (17, 64))] == [16, 16, 16, 32]
     assert sel.reserved(64) == max(4, math.ceil(0.2 * 64)) + 15
-    assert AdaptiveSelector(recent=4, alpha=0.2).evict_count(3) == 3  # the component's default: exact
+    assert AdaptiveSelector(recent=4, alpha=0.2).evict_count(3, 512) == 3  # the component's default: exact
     with pytest.raises((TypeError, ValueError)):
-        AdaptiveSelector(step=0)
+        AdaptiveSelector(step=-1)
     model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2)
     with pytest.raises(ConfigError, match="smallest budget that builds is 48"):
-        kvcompress.make_prompt_cache(model, "adakv", budget=40)
-    assert kvcompress.make_prompt_cache(model, "adakv", budget=48)[0].method.selector.step == 16
+        kvcompress.make_prompt_cache(model, "adakv", budget=40, step=16)
+    assert kvcompress.make_prompt_cache(model, "adakv", budget=48, step=16)[0].method.selector.step == 16
+
+
+@pytest.mark.parametrize("budget, step", [(32, 1), (64, 2), (512, 16), (2048, 64), (2049, 65)])
+def test_default_step_grows_with_the_budget(budget, step):
+    """``step = 0`` (adakv's default): ``ceil(C / 32)`` slots per eviction, so a long budget
+    selects rarely (decode speed) and a short one keeps its row nearly full; the room it
+    reserves (``step - 1`` slots) follows."""
+    sel = kvcompress.build_method("adakv").selector
+    assert sel.step == 0
+    assert [sel.evict_count(e, budget) for e in (1, step, step + 1)] == [step, step, 2 * step]
+    assert sel.reserved(budget) == AdaptiveSelector(recent=32, alpha=0.2, step=step).reserved(budget)
 
 
 def test_freed_slots_are_refilled_in_place_within_the_budgets_width():
@@ -245,7 +256,7 @@ def test_freed_slots_are_refilled_in_place_within_the_budgets_width():
     is compacted, so ``size()`` never exceeds the budget after a decode step."""
     model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2, seed=5)
     tokens = mx.array(np.random.default_rng(5).integers(1, 97, (1, 140)), dtype=mx.int32)
-    (c,) = kvcompress.make_prompt_cache(model, "adakv", budget=48, recent=2)
+    (c,) = kvcompress.make_prompt_cache(model, "adakv", budget=48, recent=2, step=16)
     model(tokens[:, :47], cache=[c])
     model(tokens[:, 47:53], cache=[c])  # 12 slots after a nearly full row: wider than 2 x 48
     assert c.parts.slots.n > 2 * c.budget

@@ -129,8 +129,8 @@ def test_optional_hooks_are_a_typed_record_with_defaults_filled_once():
     h2o, chunk, kvzip = (kvcompress.build_method(m, budget=64).hook_set() for m in ("h2o", "chunkkv", "kvzip"))
     assert isinstance(h2o.scorer, ScorerHookSet) and isinstance(h2o.selector, SelectorHookSet)
     assert isinstance(h2o.disposition, DispositionHookSet)
-    assert h2o.selector.evict_count(7) == 7 and h2o.selector.head_group(kvcompress.LayerInfo(), 4) == 1
-    assert chunk.selector.evict_count(7) == 10  # the chunk selector frees whole chunks of 10
+    assert h2o.selector.evict_count(7, 64) == 7 and h2o.selector.head_group(kvcompress.LayerInfo(), 4) == 1
+    assert chunk.selector.evict_count(7, 64) == 10  # the chunk selector frees whole chunks of 10
     assert h2o.scorer.pass_tokens is None and kvzip.scorer.pass_tokens is not None
     assert h2o.disposition.attend is None and h2o.disposition.view_keys is None
     with pytest.raises(AttributeError):

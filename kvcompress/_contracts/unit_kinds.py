@@ -123,7 +123,7 @@ def check_selector_unit(selector, report: ContractReport, seed: int = 0) -> None
     count = component_hooks("selector", selector).get("evict_count")
 
     def n_out(n):
-        return int(count(n)) if count is not None else n
+        return int(count(n, budget)) if count is not None else n
 
     for t in (budget, budget + 5):
         n_evict = t - (budget - 1)
@@ -177,7 +177,7 @@ def check_selector_unit(selector, report: ContractReport, seed: int = 0) -> None
         alone = np.array(selector.select(solo))
         for h in range(syn.H_KV):
             ensure(set(chosen[h].tolist()) == set(alone[0, h].tolist()), s, "row counts",
-                   f"row {b} head {h}: the first evict_count({counts[b]}) = {k} entries of the batched "
+                   f"row {b} head {h}: the first evict_count({counts[b]}, {budget}) = {k} entries of the batched "
                    f"choice {sorted(chosen[h].tolist())} are not what the row chooses alone "
                    f"{sorted(alone[0, h].tolist())}; with row_counts, return each row's choice in "
                    f"priority order (e.g. lowest_k(..., ordered=True)) {where}")

@@ -20,8 +20,8 @@ Every check raises :class:`~kvcompress.testing.ContractFailure` naming the contr
 * selector -- ``reserved(budget)`` leaves room below some budget; ``protected`` is a bool
   ``[B, H_kv, T]`` mask of at most ``reserved(budget)`` slots, per row the same for an int
   budget and a ``[B, 1, 1]`` budget array; ``select`` returns ``n_evict`` (or
-  ``evict_count(n_evict)``) distinct, in-range, unprotected (never empty) slot indices per row,
-  deterministically; with ``row_counts`` the first ``evict_count(row_counts[b])`` entries of
+  ``evict_count(n_evict, budget)``) distinct, in-range, unprotected (never empty) slot indices per row,
+  deterministically; with ``row_counts`` the first ``evict_count(row_counts[b], budget)`` entries of
   row ``b`` are what the row chooses alone.
 * disposition -- ``dispose`` returns ``(keys, values, scores)``: shapes and dtypes kept, float32
   scores, never modifies protected slots (sinks) or empty ones, stays finite in float16, is

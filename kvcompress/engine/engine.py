@@ -7,7 +7,7 @@ budget, evicted; no step needs a device sync to know what to do), :class:`~.slot
 ``S`` tokens:
 
 1. **Evict (deferred).** A row over budget with its new tokens keeps ``budget - 1`` old ones:
-   ``e = n - (budget - 1)`` slots leave (:meth:`Rows.need`; ``evict_count(e)`` for chunk
+   ``e = n - (budget - 1)`` slots leave (:meth:`Rows.need`; ``evict_count(e, budget)`` for chunk
    selectors), chosen by the selector on the scores the previous steps left, folded in by the
    disposition, and become empty. The count does not depend on ``S``, so a step trimmed
    afterwards is exact.
@@ -234,7 +234,8 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         need = self._rows.need(valid, g)
         freed = self._evict(need) if any(need) else None
         slots, rows = self._slots, self._rows
-        if S == 1 and slots.fits_one_token(rows.held, self._hooks.selector.evict_count(g), g * max(rows.budget)):
+        if S == 1 and slots.fits_one_token(rows.held, self._hooks.selector.evict_count(g, max(rows.budget)),
+                                           g * max(rows.budget)):
             empty = slots.n - rows.held[0] if len(set(rows.held)) == 1 and min(valid) == 1 else 0
             slots.write_token(keys, values, freed, slots.new_positions(rows.offset, valid, 1, b, keys.shape[1]), empty)
         else:
@@ -303,7 +304,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
     def _eviction(self, need: list) -> Eviction:
         """The selector's choice of ``need[b]`` slots per row, as the disposition sees it."""
         count = self._hooks.selector.evict_count
-        counts = [int(count(e)) if e else e for e in need]
+        counts = [int(count(e, b)) if e else e for e, b in zip(need, self._rows.budget)]
         uniform = len(set(counts)) == 1
         k, v = self._slots.float_kv()
         seen = self._rows.seen()
@@ -318,7 +319,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
                 scores=self._slots.score, positions=pos, protected=protected, n_evict=max(need),
                 budget=bud, offset=off, offsets=offs, layer=self.info,
                 row_counts=None if uniform else self._arr(need), state=self._states["selector"],
-                group=self.group, owner=owner, heads_per_row=self._slots.g,
+                group=self.group, owner=owner, heads_per_row=self._slots.g, budgets=tuple(self._rows.budget),
             )
         ).astype(mx.int32)
         real = None if uniform else mx.arange(slots.shape[-1]).reshape(1, 1, -1) < self._arr(counts)

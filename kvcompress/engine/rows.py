@@ -82,13 +82,13 @@ class Rows:
         return [max(n - g * (bud - 1), 0) if n + g * v > g * bud else 0
                 for n, v, bud in zip(self.held, valid, self.budget)]
 
-    def held_after(self, S: int, g: int, evict_count: Callable[[int], int]) -> int:
+    def held_after(self, S: int, g: int, evict_count: Callable[[int, int], int]) -> int:
         """Tokens per KV head the widest row holds before appending a step of ``S`` tokens,
         after that step's eviction (``evict_count``: the selector's rounding to chunks)."""
         if not self.held:
             return 0
         need = self.need([S] * len(self.held), g)
-        slots = max(n - (int(evict_count(e)) if e else 0) for n, e in zip(self.held, need))
+        slots = max(n - (int(evict_count(e, b)) if e else 0) for n, e, b in zip(self.held, need, self.budget))
         return -(-slots // max(g, 1))
 
     def over_budget(self) -> bool:

@@ -32,7 +32,7 @@ def kvcompress_methods():
             budget="uniform",
             summary="AdaKV: SnapKV scores, the layer's top H x C (head, token) pairs kept, alpha x C per head",
             params={"budget": 1024, "recent": 32, "kernel": 7, "pooling": "max", "interval": 0, "n_sink": 0,
-                    "alpha": 0.2, "heads": 0, "step": 16},
+                    "alpha": 0.2, "heads": 0, "step": 0},
             paper=PAPER,
         )
     ]

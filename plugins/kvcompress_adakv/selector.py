@@ -18,9 +18,10 @@ are: each head's softmax sums to one per query).
 Cost: a query head attends only its own KV head's slots of the row, gathered (a prompt chunk) or
 listed as columns (a decode step), so attention does about the work of uniform budgets plus
 one product over the row; ``heads`` trades flexibility for speed. ``step``: each eviction frees
-a multiple of ``step`` slots of the row (the method's default 16; at least the ``g`` a decode
-step needs), so decode selects once every ``step / g`` tokens instead of every token, and the
-following tokens refill the freed slots in place.
+a multiple of ``step`` slots of the row (``step = 0``, the method's default: ``ceil(C / 32)``,
+about 1/(32 g) of a row of ``g x C`` slots; at least the ``g`` a decode step needs), so decode
+selects once every ``step / g`` tokens instead of every token, and the following tokens refill
+the freed slots in place: on average the row holds ``step / 2`` slots fewer than its bytes.
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ class AdaptiveSelector(LowestScoreSelector):
     """Evict the lowest-score slots of a head group's row; every head keeps what the ``lowest``
     selector protects (its sinks and its ``max(recent, floor(recent_ratio * C))`` most recent
     tokens) and its ``ceil(alpha * C)`` best; ``step`` rounds each eviction up to a multiple of
-    ``step`` slots."""
+    ``step`` slots (0: ``ceil(C / 32)`` for a budget of ``C``)."""
 
     n_sink: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
     alpha: float = attrs.field(default=0.2, converter=float, validator=[ge(0.0), le(1.0)])
     heads: int = attrs.field(default=0, validator=[instance_of(int), ge(0)])
-    step: int = attrs.field(default=1, validator=[instance_of(int), ge(1)])
+    step: int = attrs.field(default=1, validator=[instance_of(int), ge(0)])
 
     requires: ClassVar[frozenset] = frozenset()  # head_groups from scorer and disposition (checked at build)
     provides: ClassVar[frozenset] = frozenset({"protection", "head_wise_budgets"})
@@ -102,11 +103,15 @@ class AdaptiveSelector(LowestScoreSelector):
     def reserved(self, budget: int) -> int:
         # the floor counts a head's protected tokens first (they rank best), so they overlap;
         # an eviction rounded up to ``step`` slots may take up to ``step - 1`` more
-        return max(super().reserved(budget), self._floor(budget)) + self.step - 1
+        return max(super().reserved(budget), self._floor(budget)) + self._step(budget) - 1
 
-    def evict_count(self, n_evict: int) -> int:
+    def _step(self, budget: int) -> int:
+        return self.step or max(1, math.ceil(budget / 32))
+
+    def evict_count(self, n_evict: int, budget: int) -> int:
         """``step * ceil(E / step)``: the slots :meth:`select` frees when ``E`` are needed."""
-        return self.step * math.ceil(n_evict / self.step)
+        step = self._step(budget)
+        return step * math.ceil(n_evict / step)
 
     def select(self, sel) -> mx.array:
         protected = sel.protected
@@ -114,4 +119,5 @@ class AdaptiveSelector(LowestScoreSelector):
             floor = self._floor(sel.budget)
             protected = protected | head_best(mx.where(protected, mx.inf, sel.scores), sel.owner,
                                               sel.positions, sel.heads_per_row, floor)
-        return lowest_k(sel.scores, sel.positions, self.evict_count(sel.n_evict), ordered=sel.row_counts is not None, exclude=protected)
+        k = max(self.evict_count(sel.n_evict, b) for b in (sel.budgets or (sel.widest_budget(),)))
+        return lowest_k(sel.scores, sel.positions, k, ordered=sel.row_counts is not None, exclude=protected)

@@ -78,7 +78,7 @@ class ChunkSelector:
         sinks = c * math.ceil(self.n_sink / c)
         return sinks + self.recent + c - 1 + c - 1
 
-    def evict_count(self, n_evict: int) -> int:
+    def evict_count(self, n_evict: int, budget: int) -> int:
         """Slots :meth:`select` frees when ``n_evict`` are needed: whole chunks, ``c * ceil(E / c)``
         (the cache uses it to size array masks before the step)."""
         return self.chunk * -(-n_evict // self.chunk)
@@ -135,7 +135,7 @@ class ChunkSelector:
             if layer != head and rec is not None and rec[0] == stamp:
                 return rec[1]
         order, key, pos = self.chunk_scores(sel.scores, sel.positions, sel.offset, sel.protected)
-        k = self.evict_count(sel.n_evict) // c
+        k = self.evict_count(sel.n_evict, sel.widest_budget()) // c
         starts = lowest_k(key, pos, k, ordered=sel.row_counts is not None)
         sorted_idx = (starts[..., None] + mx.arange(c)).reshape(*starts.shape[:-1], k * c)
         evict = mx.take_along_axis(order, sorted_idx, axis=-1).astype(mx.int32)

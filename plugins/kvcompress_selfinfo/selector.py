@@ -90,7 +90,7 @@ class SpanSelector:
         """Sinks, the recent window and the ``step - 1`` slots an eviction may round up by."""
         return self._window.reserved(budget) + self.step - 1
 
-    def evict_count(self, n_evict: int) -> int:
+    def evict_count(self, n_evict: int, budget: int) -> int:
         """``step * ceil(E / step)``: the slots :meth:`select` frees when ``E`` are needed."""
         return self.step * math.ceil(n_evict / self.step)
 
@@ -114,6 +114,6 @@ class SpanSelector:
 
     def select(self, sel) -> mx.array:
         order, pos, prot, best = self._sorted(sel.scores, sel.positions, sel.protected)
-        k = self.evict_count(sel.n_evict)
+        k = self.evict_count(sel.n_evict, sel.widest_budget())
         idx = lowest_k(best, pos, k, ordered=sel.row_counts is not None, exclude=prot)
         return mx.take_along_axis(order, idx, axis=-1).astype(mx.int32)
