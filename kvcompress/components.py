@@ -40,13 +40,15 @@ KINDS: tuple[str, ...] = ("scorer", "selector", "disposition", "budget")
 
 #: What every cache offers its components. ``queries``: the step's real post-RoPE queries;
 #: ``step_mass``: the attention mass of all of a step's queries, computed together with the
-#: step's attention (only done when a scorer requires it); ``layer_io``: the layer's input and
+#: step's attention (only done when a scorer requires it); ``last_mass``: the same for a one-token
+#: step only (decode), where it is the last query's mass; ``layer_io``: the layer's input and
 #: attention output during a prompt's first forward (see :meth:`BudgetHooks.observe_layer`);
 #: ``tokens``: the step's input ids (:attr:`Observation.tokens`) and ``predictions``: the model's
 #: next-token log-probabilities over each call (:class:`~kvcompress.Predictions`, see
 #: :meth:`ScorerHooks.observe_predictions`), from the model hook :func:`kvcompress.install`
 #: gives; ``pass_weights``: a scoring pass's attention probabilities (:attr:`Observation.weights`).
-CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "layer_io", "tokens", "predictions", "pass_weights"})
+CACHE_PROVIDES = frozenset({"keys", "values", "positions", "queries", "step_mass", "last_mass", "layer_io", "tokens",
+                            "predictions", "pass_weights"})
 
 
 # --------------------------------------------------------------------------------------------

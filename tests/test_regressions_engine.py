@@ -58,12 +58,14 @@ def test_diagnostics_report_token_and_byte_compression(method):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, fused", [("snapkv", False), ("tova", False), ("chunkkv", False), ("h2o", True)])
-def test_fused_attention_mass_only_for_step_mass_scorers(model, monkeypatch, method, fused):
+@pytest.mark.parametrize("method, fused, fused_decode", [("snapkv", False, False), ("tova", False, True),
+                                                        ("chunkkv", False, False), ("h2o", True, True)])
+def test_fused_attention_mass_only_for_step_mass_scorers(model, monkeypatch, method, fused, fused_decode):
     """Bug: every query-based scorer made a compressing prefill chunk run the float32
     attention-with-mass instead of mlx-lm's attention, although SnapKV / TOVA / ChunkKV only
     read the last queries' attention: wasted prefill work. Only scorers that require
-    ``step_mass`` (H2O) get it."""
+    ``step_mass`` (H2O) get it in a chunk; in decode, those that require ``last_mass`` too
+    (TOVA: the one query's mass, which it would otherwise compute in a second product)."""
     calls = []
     from kvcompress import ops
 
@@ -80,6 +82,10 @@ def test_fused_attention_mass_only_for_step_mass_scorers(model, monkeypatch, met
         mx.eval(model(tokens[:, i : i + 16], cache=caches))
     assert caches[0].evictions > 0
     assert any(calls) == fused, f"{method}: fused attention+mass calls {sum(calls)}"
+    calls.clear()
+    for i in range(48, 52):
+        mx.eval(model(tokens[:, :1] + i, cache=caches))
+    assert calls and all(calls) if fused_decode else not any(calls), (method, calls)
 
 
 # ------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class _AttendMixin:
         attend = self._hooks.disposition.attend
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
-        if sinks is None and self._wants_mass and (self._rounds or self._rows.over_budget()):
+        wants_mass = self._wants_mass or (n == 1 and self._wants_last_mass)
+        if sinks is None and wants_mass and (self._rounds or self._rows.over_budget()):
             # A compressing step (a chunk, or a decode step once tokens leave): one softmax
             # gives both the output and the scorer's mass. Below budget the cache attends
             # exactly as mlx-lm's KVCache does (its fused attention, in the cache's dtype).
@@ -98,7 +99,8 @@ class _AttendMixin:
         # CPU fallback, which broadcasts the keys over each group's query heads)
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
-            mass="group" if self._wants_mass else None, bias=bias, sinks=sinks, owner=owner, heads_per_row=g,
+            mass="group" if self._wants_mass or (n == 1 and self._wants_last_mass) else None, bias=bias, sinks=sinks,
+            owner=owner, heads_per_row=g,
         )
         self._step_mass = mass
         return out
@@ -128,7 +130,7 @@ class _AttendMixin:
         """A decode step over head-group rows: each query head's softmax over its own KV head's
         slots only (heads.py), the weights put back on the row for the values and the mass."""
         out, self._step_mass = attend_columns(queries, keys, values, scale, head_columns(self._slots),
-                                              self._wants_mass)
+                                              self._wants_last_mass)
         return out
 
     def _query_weight(self, valid: list, n: int):

@@ -20,10 +20,11 @@ class TOVAScorer:
     heads' slot layouts stay identical: one kept set per layer, as in the reference
     (``mean(attn_weights[:, :, -1, :], dim=1)`` then ``topk``). The mean over KV heads of the
     group-mean mass equals the mean over all query heads because groups have equal size. A row
-    with no real token in the step keeps its scores.
+    with no real token in the step keeps its scores. In decode (one query) the mass is the one
+    the cache computed with the step's attention (``last_mass``), not a second product.
     """
 
-    requires: ClassVar[frozenset] = frozenset({"queries"})
+    requires: ClassVar[frozenset] = frozenset({"queries", "last_mass"})
     provides: ClassVar[frozenset] = frozenset({"attention_mass", "head_shared"})
 
     def observe(self, scores, obs):
