@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Union
 
 import attrs
@@ -180,6 +181,7 @@ def build_method(
         comps[kind] = comp
 
     _check_requirements(comps, names)
+    _check_evict_count(comps["selector"], names["selector"])
     if storage.quantized:
         _check_low_bit(comps["disposition"], names["disposition"])
     resolved = MethodConfig(
@@ -217,6 +219,21 @@ def _is_budget_number(kind: str, value: Any) -> bool:
 
 def _init_params(comp) -> dict:
     return {f.name: getattr(comp, f.name) for f in attrs.fields(type(comp)) if f.init}
+
+
+def _check_evict_count(selector, name: str) -> None:
+    """A selector's ``evict_count`` hook takes ``(n_evict, budget)`` (one argument before the
+    row's budget was passed): refused when built, not when the first eviction calls it."""
+    count = component_hooks("selector", selector).get("evict_count")
+    if count is None:
+        return
+    try:
+        inspect.signature(count).bind(1, 1)
+    except TypeError:
+        raise CompositionError(
+            f"selector {name!r} ({type(selector).__name__}): evict_count must take (n_evict, budget) -- the "
+            "slots a row frees when n_evict are needed, and the row's budget in tokens"
+        ) from None
 
 
 def _check_requirements(comps: dict, names: dict) -> None:

@@ -11,6 +11,9 @@ import mlx.core as mx
 import pytest
 
 from _contract_helpers import spec
+import kvcompress
+from kvcompress import CompositionError
+from kvcompress import Registry
 from kvcompress.ops import lowest_k
 from kvcompress.testing import ContractFailure, check_budget, check_disposition, check_method, check_selector
 
@@ -257,3 +260,29 @@ def test_catches_a_cache_whose_batch_rows_diverge(monkeypatch):
     monkeypatch.setattr(Rows, "seen", lambda self: self.offset)  # counts a batch's right padding
     with pytest.raises(ContractFailure, match="contract 'batched' broken: row 1"):
         check_method("streaming_llm_shift")
+
+
+@attrs.frozen
+class OldEvictCount(IgnoresProtection):
+    """Rounds evictions up to 4 slots with the hook's old one-argument form."""
+
+    def evict_count(self, n_evict):
+        return 4 * -(-n_evict // 4)
+
+
+def test_refuses_an_evict_count_without_the_budget():
+    """``evict_count(n_evict, budget)``: a selector still defining ``evict_count(n_evict)`` is
+    refused with the signature to write -- by its contract check, and when a method is built
+    from it -- not by a TypeError at its first eviction."""
+    with pytest.raises(ContractFailure, match=r"evict_count must take \(n_evict, budget\)"):
+        check_selector(spec("selector", "old_count", OldEvictCount))
+
+    class Plugin:
+        @kvcompress.hookimpl
+        def kvcompress_selectors(self):
+            return [spec("selector", "old_count", OldEvictCount)]
+
+    reg = Registry(plugins=[("old_count", Plugin())])
+    with pytest.raises(CompositionError, match=r"'old_count' \(OldEvictCount\): evict_count must take"):
+        kvcompress.build_method(scorer="h2o", selector="old_count", disposition="drop", budget="uniform", registry=reg)
+    assert kvcompress.build_method(scorer="h2o", selector="lowest", disposition="drop", budget="uniform", registry=reg)

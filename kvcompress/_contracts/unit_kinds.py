@@ -6,6 +6,7 @@ contexts; the contracts shared by every kind (spec, optional hooks, state) are i
 from __future__ import annotations
 
 import copy
+import inspect
 import numbers
 
 import mlx.core as mx
@@ -121,6 +122,12 @@ def check_selector_unit(selector, report: ContractReport, seed: int = 0) -> None
     budget = unit_budget(selector, s)
     reserved = selector.reserved(budget)
     count = component_hooks("selector", selector).get("evict_count")
+    if count is not None:
+        try:
+            inspect.signature(count).bind(1, budget)
+        except TypeError:
+            raise fail(s, "select output", "evict_count must take (n_evict, budget): the slots a row frees "
+                       "when n_evict are needed, and the row's budget in tokens") from None
 
     def n_out(n):
         return int(count(n, budget)) if count is not None else n
