@@ -181,7 +181,9 @@ def build_method(
         comps[kind] = comp
 
     _check_requirements(comps, names)
-    _check_evict_count(comps["selector"], names["selector"])
+    problem = evict_count_problem(comps["selector"])
+    if problem:
+        raise CompositionError(f"selector {names['selector']!r} ({type(comps['selector']).__name__}): {problem}")
     if storage.quantized:
         _check_low_bit(comps["disposition"], names["disposition"])
     resolved = MethodConfig(
@@ -221,19 +223,17 @@ def _init_params(comp) -> dict:
     return {f.name: getattr(comp, f.name) for f in attrs.fields(type(comp)) if f.init}
 
 
-def _check_evict_count(selector, name: str) -> None:
-    """A selector's ``evict_count`` hook takes ``(n_evict, budget)`` (one argument before the
-    row's budget was passed): refused when built, not when the first eviction calls it."""
+def evict_count_problem(selector) -> Optional[str]:
+    """Why the selector's ``evict_count`` hook cannot be called as ``(n_evict, budget)`` (its
+    form before the row's budget was passed took one argument), or None: checked when a method
+    is built and by the selector contract, not left to the first eviction."""
     count = component_hooks("selector", selector).get("evict_count")
-    if count is None:
-        return
     try:
-        inspect.signature(count).bind(1, 1)
+        count is None or inspect.signature(count).bind(1, 1)
     except TypeError:
-        raise CompositionError(
-            f"selector {name!r} ({type(selector).__name__}): evict_count must take (n_evict, budget) -- the "
-            "slots a row frees when n_evict are needed, and the row's budget in tokens"
-        ) from None
+        return ("evict_count must take (n_evict, budget): the slots a row frees when n_evict are needed, "
+                "and the row's budget in tokens")
+    return None
 
 
 def _check_requirements(comps: dict, names: dict) -> None:

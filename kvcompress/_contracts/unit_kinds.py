@@ -6,7 +6,6 @@ contexts; the contracts shared by every kind (spec, optional hooks, state) are i
 from __future__ import annotations
 
 import copy
-import inspect
 import numbers
 
 import mlx.core as mx
@@ -14,6 +13,7 @@ import numpy as np
 
 from .. import _state
 from ..components import ModelInfo, component_hooks
+from ..method import evict_count_problem
 from . import ContractReport, ensure, fail
 from . import synthetic as syn
 from .units import _np, _same, _finite, check_state, _flat, _same_state, _init_state, _rows_of, _FLOATS
@@ -121,13 +121,10 @@ def check_selector_unit(selector, report: ContractReport, seed: int = 0) -> None
     check_state("selector", selector, fresh, report, "(fresh from init_state)", fresh=True)
     budget = unit_budget(selector, s)
     reserved = selector.reserved(budget)
+    problem = evict_count_problem(selector)
+    if problem:
+        raise fail(s, "select output", problem)
     count = component_hooks("selector", selector).get("evict_count")
-    if count is not None:
-        try:
-            inspect.signature(count).bind(1, budget)
-        except TypeError:
-            raise fail(s, "select output", "evict_count must take (n_evict, budget): the slots a row frees "
-                       "when n_evict are needed, and the row's budget in tokens") from None
 
     def n_out(n):
         return int(count(n, budget)) if count is not None else n

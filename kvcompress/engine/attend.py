@@ -13,7 +13,7 @@ from .. import _state, ops
 from ..contexts import Observation
 from ..errors import KVCompressError
 from ..storage import QuantizedSlots, as_float
-from .heads import attend_columns, head_columns
+from .heads import PAD, attend_columns, head_columns
 
 #: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
 UNDO_TOKENS = 16
@@ -50,8 +50,7 @@ class _AttendMixin:
         attend = self._hooks.disposition.attend
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
-        wants_mass = self._wants_mass or (n == 1 and self._wants_last_mass)
-        if sinks is None and wants_mass and (self._rounds or self._rows.over_budget()):
+        if sinks is None and self._mass_wanted(n) and (self._rounds or self._rows.over_budget()):
             # A compressing step (a chunk, or a decode step once tokens leave): one softmax
             # gives both the output and the scorer's mass. Below budget the cache attends
             # exactly as mlx-lm's KVCache does (its fused attention, in the cache's dtype).
@@ -99,8 +98,7 @@ class _AttendMixin:
         # CPU fallback, which broadcasts the keys over each group's query heads)
         out, mass = ops.attention(
             queries, keys, values, scale, pos, self._qpos(n), query_weight=self._query_weight(valid, n),
-            mass="group" if self._wants_mass or (n == 1 and self._wants_last_mass) else None, bias=bias, sinks=sinks,
-            owner=owner, heads_per_row=g,
+            mass="group" if self._mass_wanted(n) else None, bias=bias, sinks=sinks, owner=owner, heads_per_row=g,
         )
         self._step_mass = mass
         return out
@@ -117,10 +115,10 @@ class _AttendMixin:
         pc = mx.where(ok, mx.take_along_axis(pos, slot, axis=-1).reshape(b, r, g, w), -1).reshape(b, r * g, w)
         out, mass = ops.attention(
             queries, kc, vc, scale, pc, self._qpos(n), query_weight=self._query_weight(valid, n),
-            mass="group" if self._wants_mass else None, sinks=sinks,
+            mass="group" if self._mass_wanted(n) else None, sinks=sinks,
         )
-        if mass is not None:  # [B, H_kv, W] -> the row's slots (padding onto a dropped column)
-            dest = mx.where(ok, slot.reshape(b, r, g, w), t).reshape(b, r, g * w)
+        if mass is not None:  # [B, H_kv, W] -> the row's slots (padding onto a dropped column: PAD wraps)
+            dest = mx.where(ok, slot.reshape(b, r, g, w), PAD).reshape(b, r, g * w)
             mass = mx.put_along_axis(mx.zeros((b, r, t + 1), mx.float32), dest, mass.reshape(b, r, g * w), axis=-1)
             mass = mass[..., :t]
         self._step_mass = mass
@@ -130,8 +128,13 @@ class _AttendMixin:
         """A decode step over head-group rows: each query head's softmax over its own KV head's
         slots only (heads.py), the weights put back on the row for the values and the mass."""
         out, self._step_mass = attend_columns(queries, keys, values, scale, head_columns(self._slots),
-                                              self._wants_last_mass)
+                                              self._mass_wanted(1))
         return out
+
+    def _mass_wanted(self, n: int) -> bool:
+        """Whether a step of ``n`` queries computes the scorer's mass with its attention: every
+        step for ``step_mass``, one-token steps for ``last_mass``."""
+        return self._wants_mass or (n == 1 and self._wants_last_mass)
 
     def _query_weight(self, valid: list, n: int):
         if all(x == n for x in valid):

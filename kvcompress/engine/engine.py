@@ -111,7 +111,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         method = method.with_tokenizer(None)
         self.method, self._hooks = method, method.hook_set()
         self._wants_mass = "step_mass" in method.scorer.requires
-        self._wants_last_mass = self._wants_mass or "last_mass" in method.scorer.requires
+        self._wants_last_mass = "last_mass" in method.scorer.requires
         self._wants_io = "layer_io" in method.budget.requires
         self._needs_queries = "queries" in method.scorer.requires
         # the model hook hands over each call's token ids (before) and next-token predictions

@@ -23,7 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..ops import NEG, _exp_cpu
+from ..ops import NEG, _exp_cpu, _f32
 
 __all__ = ["HeadColumns", "PAD", "attend_columns", "head_columns"]
 
@@ -74,9 +74,8 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     r, t = keys.shape[1], keys.shape[2]
     g = dest.shape[2]
     rep = h_q // r // g  # query heads per KV head
-    q = queries.reshape(b, r, h_q // r, d)
-    q = (q if q.dtype == mx.float32 else q.astype(mx.float32)) * scale
-    logits = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, R, G, T]
+    q = _f32(queries.reshape(b, r, h_q // r, d)) * scale
+    logits = q @ _f32(keys).swapaxes(-1, -2)  # [B, R, G, T]
     # one more column (PAD's) of NEG; [B, R, g, rep, T + 1]: each KV head's query heads together
     logits = mx.pad(logits.reshape(b, r, g, rep, t), [(0, 0)] * 4 + [(0, 1)], constant_values=NEG)
     at = dest[:, :, :, None, :]  # each query head's KV head's columns
@@ -86,5 +85,5 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     # onto the row's slots, zero elsewhere (padding onto the extra column, dropped)
     full = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), at, e, axis=-1).reshape(b, r, h_q // r, t + 1)[..., :t]
     full = full / full.sum(axis=-1, keepdims=True)
-    out = (full @ values.astype(mx.float32)).reshape(b, h_q, 1, -1).astype(queries.dtype)
+    out = (full @ _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
     return out, (full.mean(axis=2) * g if mass else None)
