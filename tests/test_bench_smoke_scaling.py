@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import pytest
 
 import kvcompress
@@ -110,3 +111,54 @@ def test_scaling_runs_a_real_model(stories_model):
                                       "vocab": 512}
     assert {r["kind"] for r in payload["results"]} == {"snapkv", "rotating", "full"}
     assert "stories260K" in scaling.caption(payload) and "intermediate" not in scaling.caption(payload)
+
+
+def test_scaling_synthetic_fill_holds_every_kind_at_its_budget():
+    """``fill='synthetic'``: each layer's cache is filled through the cache protocol (no model
+    forward), the same keys and values for every kind, so a decode-speed run at long contexts
+    takes minutes; the bounded kinds hold their budget, the full cache every token, a method
+    that needs the model's forward is refused with the reason, and no prefill ratio is made."""
+    from kvcompress.bench import scaling
+
+    s = scaling.ScalingSettings(**{**TINY_SCALING, "fill": "synthetic", "methods": ("h2o", "adakv", "kvzip")})
+    payload = scaling.run_scaling(s)
+    assert [e["kind"] for e in payload["errors"]] == ["kvzip"]
+    assert "synthetic fill" in payload["errors"][0]["error"] and "token ids" in payload["errors"][0]["error"]
+    by = {(r["kind"], r["context"]): r for r in payload["results"]}
+    assert {k for k, _ in by} == {"h2o", "adakv", "rotating", "full"}
+    for n in (192, 384):
+        assert by[("full", n)]["stored_tokens"] == by[("full", n)]["tokens_seen"]
+        assert by[("rotating", n)]["stored_tokens"] == 80
+        for kind in ("h2o", "adakv"):
+            assert by[(kind, n)]["live_bytes"] <= by[("rotating", n)]["live_bytes"] * 1.1, kind
+            assert by[(kind, n)]["live_bytes"] < by[("full", n)]["live_bytes"] / 2, kind
+            assert len(by[(kind, n)]["decode_ratio_blocks"]) == 2
+    summ = {r["kind"]: r for r in payload["summary"]}
+    assert "prefill_ratio" not in summ["h2o"] and summ["h2o"]["decode_ratio"] > 0
+    assert "fill=synthetic" in scaling.caption(payload)
+    with pytest.raises(ValueError, match="fill"):
+        scaling.ScalingSettings(fill="random")
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_synthetic_fill_gives_every_kind_the_same_tokens(method):
+    """Below its budget a compressed cache filled synthetically holds exactly the keys and values
+    a full KVCache filled the same way holds: the draws depend on the layer and the chunk's
+    start only, and the chunks fall on the same boundaries."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvcompress.bench._fill import synthetic_fill
+    from kvcompress.bench._model import ModelShape, build_model
+
+    shape = ModelShape(**{k: TINY_SCALING[k] for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
+                                                       "intermediate", "vocab")})
+    fill = synthetic_fill(shape, seed=3)
+    full = [KVCache() for _ in range(shape.n_layers)]
+    ours = kvcompress.make_prompt_cache(build_model(shape), method, budget=256)
+    assert fill(full, 0, 100, 32) == 100
+    assert fill(ours, 0, 64, 32) == 64 and fill(ours, 64, 100, 32) == 100  # a checkpoint on a chunk boundary
+    for f, c in zip(full, ours):
+        k, v = c.keys_and_values()
+        order = mx.argsort(c.slot_positions[0, 0])
+        assert mx.array_equal(k[:, :, order], f.keys[:, :, :100]) and mx.array_equal(v[:, :, order], f.values[:, :, :100])
+    assert not mx.array_equal(full[0].keys[:, :, :100], full[1].keys[:, :, :100])  # each layer its own draw

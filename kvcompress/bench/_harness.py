@@ -163,8 +163,9 @@ class Runner:
     """One cache advancing through a prompt, with its prefill time and peak memory, so that
     several caches can move through the same prompt in lockstep."""
 
-    def __init__(self, kind: str, model, cache: list, prompt: mx.array, decode_ids: mx.array, weights: int):
-        self.kind, self.model, self.cache = kind, model, cache
+    def __init__(self, kind: str, model, cache: list, prompt: mx.array, decode_ids: mx.array, weights: int,
+                 fill: Optional[Callable[[list, int, int, int], int]] = None):
+        self.kind, self.model, self.cache, self.fill = kind, model, cache, fill
         self.prompt, self.decode_ids, self.weights = prompt, decode_ids, weights
         self.pos = 0          # prompt tokens consumed
         self.decoded = 0      # decode steps taken
@@ -192,11 +193,15 @@ class Runner:
         return greedy_step(self.model, self.cache, y)
 
     def prefill_to(self, n: int, step: int) -> None:
-        """Feed the prompt up to token ``n`` in chunks, then take the first decode step (which
-        carries out the eviction the last chunk deferred): the time to the first token, as
-        ``mlx_lm.generate`` counts it."""
+        """Feed the prompt up to token ``n`` in chunks (or ``fill(cache, start, n, step)`` when
+        given: :func:`~kvcompress.bench._fill.synthetic_fill`), then take the first decode step
+        (which carries out the eviction the last chunk deferred): the time to the first token,
+        as ``mlx_lm.generate`` counts it."""
         def go():
-            self.pos = prefill(self.model, self.cache, self.prompt, self.pos, n, step)
+            if self.fill is not None:
+                self.pos = self.fill(self.cache, self.pos, n, step)
+            else:
+                self.pos = prefill(self.model, self.cache, self.prompt, self.pos, n, step)
             self.y = self._step()
             mx.eval(self.y)
 

@@ -15,9 +15,11 @@ import mlx.core as mx
 
 from ._options import at_least, one_of
 
-__all__ = ["DTYPES", "ModelShape", "build_model", "random_tokens"]
+__all__ = ["DTYPES", "SHAPE_KEYS", "ModelShape", "build_model", "model_and_shape", "random_tokens"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: the shape settings a loaded model's arguments replace
+SHAPE_KEYS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab")
 
 
 @attrs.frozen
@@ -82,3 +84,22 @@ def build_model(s: ModelShape, dtype: Optional[str] = None):
 def random_tokens(s: ModelShape, n: int, stream: int = 1) -> mx.array:
     """``n`` seeded random token ids (``stream`` picks an independent sequence per use)."""
     return mx.random.randint(0, s.vocab, (n,), key=mx.random.key(s.seed + stream)).astype(mx.uint32)
+
+
+def model_and_shape(s: ModelShape, model: Optional[str] = None):
+    """``(model, shape)``: the random Llama of the settings, or the mlx-lm ``model`` loaded
+    (dequantized) with the shape read from its arguments (random ids are drawn from its
+    vocabulary)."""
+    if not model:
+        return build_model(s), s
+    from .longctx import load_chat_model
+
+    loaded, _ = load_chat_model(model)
+    a = loaded.args
+    heads = a.num_attention_heads
+    shape = attrs.evolve(
+        s, n_layers=len(loaded.layers), hidden=a.hidden_size, n_heads=heads,
+        n_kv_heads=getattr(a, "num_key_value_heads", None) or heads,
+        head_dim=getattr(a, "head_dim", None) or a.hidden_size // heads, vocab=a.vocab_size,
+    )
+    return loaded, shape

@@ -1,0 +1,64 @@
+"""The synthetic fill of the speed workloads: caches brought to a context through the cache
+protocol, without the model's forward.
+
+A model prefill of 8k tokens costs minutes per cache on a CPU; what a decode-speed comparison
+needs is only each layer's cache holding its budget of an 8k-token context. :func:`synthetic_fill`
+feeds every layer seeded random post-RoPE keys and values (``update_and_fetch``) and, for the
+compressed caches, random queries (``observe``, as the attention wrapper would), in the chunks a
+prefill would use, so each method scores, selects and evicts as it does in a prefill. The same
+inputs reach every cache kind (drawn per layer and chunk start). Methods whose scorer needs the
+model itself (token ids, predictions, reconstruction passes: ``kvzip``, ``selfinfo``) cannot be
+filled this way and are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from ..errors import KVCompressError
+from ._profile import _cache_arrays
+
+__all__ = ["synthetic_fill"]
+
+
+def _draw(shape, layer: int, start: int, n: int, seed: int):
+    """Keys, values ``[1, H_kv, n, D]`` and queries ``[1, H, n, D]`` of one layer's chunk."""
+    key = mx.random.key(seed * 1_000_003 + layer * 65_537 + start)
+    kk, kv, kq = mx.random.split(key, 3)
+    dt = getattr(mx, shape.dtype)
+    k = mx.random.normal((1, shape.n_kv_heads, n, shape.head_dim), key=kk).astype(dt)
+    v = mx.random.normal((1, shape.n_kv_heads, n, shape.head_dim), key=kv).astype(dt)
+    q = mx.random.normal((1, shape.n_heads, n, shape.head_dim), key=kq).astype(dt)
+    return k, v, q
+
+
+def synthetic_fill(shape, seed: int = 0) -> Callable[[list, int, int, int], int]:
+    """``fill(cache, start, end, step)``: tokens ``start .. end`` of every layer of ``cache`` (a
+    list of layer caches) in chunks whose boundaries fall on multiples of ``step``, like
+    :func:`~kvcompress.bench._harness.prefill`; returns ``end``. ``shape`` gives the heads, head
+    dimension and dtype (:class:`~kvcompress.bench._model.ModelShape`)."""
+    from kvcompress import CompressedKVCache
+
+    scale = shape.head_dim ** -0.5
+
+    def fill(cache: list, start: int, end: int, step: int) -> int:
+        pos = start
+        while pos < end:
+            stop = min(end, (pos // step + 1) * step)
+            for layer, c in enumerate(cache):
+                k, v, q = _draw(shape, layer, pos, stop - pos, seed)
+                try:
+                    c.update_and_fetch(k, v)
+                    if isinstance(c, CompressedKVCache):
+                        c.observe(q, scale)
+                except KVCompressError as exc:
+                    why = str(exc).split(", but")[0]  # what the method needs from the model
+                    raise ValueError(f"the synthetic fill feeds the cache without the model ({why}): "
+                                     "use fill 'prompt'") from exc
+            mx.eval([a for c in cache for a in _cache_arrays(c)])
+            pos = stop
+        return end
+
+    return fill
