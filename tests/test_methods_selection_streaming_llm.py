@@ -171,6 +171,63 @@ def test_streaming_llm_shift_decode_equals_reference_streaming_llm():
     assert np.abs(np.array(out) - np.array(ours)).max() > 1e-3, "the shift must change the attention"
 
 
+def _rotated(x: np.ndarray, delta: np.ndarray, dims: int, traditional: bool, base: float, scale: float):
+    """float64 reference of nn.RoPE's rotation by ``delta`` per vector (``dims`` rotated)."""
+    half = dims // 2
+    ang = scale * delta[..., None].astype(np.float64) * base ** (-np.arange(half) * 2.0 / dims)
+    c, s = np.cos(ang), np.sin(ang)
+    x = x.astype(np.float64)
+    x1, x2 = (x[..., 0:dims:2], x[..., 1:dims:2]) if traditional else (x[..., :half], x[..., half:dims])
+    y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+    y = np.stack([y1, y2], -1).reshape(*y1.shape[:-1], dims) if traditional else np.concatenate([y1, y2], -1)
+    return np.concatenate([y, x[..., dims:]], -1)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [D, D // 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shift_rotation_by_tables_matches_rope_at_every_scale_of_delta(traditional, dims, dtype):
+    """The rotation by per-slot offsets (three table levels: up to 2047, multiples of 2048 and
+    of 2048^2) equals RoPE's, for negative offsets too, a partial rotary and low-precision keys.
+    Scale 2^-22 keeps the angles of offsets past 2^22 exact in float32, so the third level is
+    checked to float32 precision against a float64 reference."""
+    from kvcompress_streaming_llm import rope_params
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 7, D)).astype(np.float32)
+    delta = np.array([0, 1, -1, 2047, 2048, -5000, 123_457, 3 * 2**22 + 4097, -(2**22) - 1, 2**30, 77, 9000,
+                      -70_000, 2**23, 5])
+    delta = np.resize(delta, (2, 3, 7))
+    xs = mx.array(x).astype(getattr(mx, dtype))
+    for scale, deltas in ((2.0**-22, delta), (1.0, np.clip(delta, -9000, 9000))):
+        rope = nn.RoPE(dims, traditional=traditional, base=500.0, scale=scale)
+        got = rope_params(rope).rotate(xs, mx.array(deltas, dtype=mx.int32))
+        assert got.dtype == xs.dtype and got.shape == xs.shape
+        want = _rotated(np.array(xs.astype(mx.float32)), deltas, dims, traditional, 500.0, scale)
+        # float32 angles of offsets up to 9000 carry ~5e-4 rad (RoPE's own rounding, there too)
+        tol = (2e-5 if scale < 1 else 2e-3) if dtype == "float32" else 3e-2
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=tol * 4)
+
+
+def test_shift_rotation_uses_the_modules_own_frequencies():
+    """A RoPE with its own frequency table (Llama 3's) is rotated as the module rotates: the
+    table rotation agrees with mx.fast.rope's per-slot rotation at offsets where float32 angles
+    are exact enough to compare."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from kvcompress_streaming_llm import rope_params
+
+    rope = Llama3RoPE(D, max_position_embeddings=8192, traditional=False, base=10000.0,
+                      scaling_config={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 512})
+    rp = rope_params(rope)
+    x = mx.array(np.random.default_rng(3).standard_normal((1, 2, 6, D)).astype(np.float32))
+    delta = mx.array(np.resize([3, -2500, 700, 0, 4095, -1], (1, 2, 6)), dtype=mx.int32)
+    direct = mx.fast.rope(x.reshape(-1, 1, D), D, traditional=False, base=None, scale=1.0,
+                          offset=delta.reshape(-1), freqs=rp.freqs).reshape(x.shape)
+    np.testing.assert_allclose(np.array(rp.rotate(x, delta)), np.array(direct), atol=5e-3)
+
+
 def test_shift_refuses_rope_it_cannot_shift():
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 

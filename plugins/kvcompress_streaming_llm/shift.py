@@ -14,23 +14,33 @@ this disposition produces the same attention through RoPE's relative property in
   StreamingLLM's (up to floating-point rounding).
 
 The rotation by ``delta_j`` uses the model's own RoPE frequencies, read from each attention
-module's ``rope`` in :meth:`PositionShift.bind`, and is applied with ``mx.fast.rope`` using a
-per-slot offset vector. RoPE variants whose angle is not ``position * frequency`` (dynamic NTK
+module's ``rope`` in :meth:`PositionShift.bind`: tables of the rotations by ``r * 2048^l``
+positions (``l < 3``), computed once by ``mx.fast.rope`` itself, and ``R(delta)`` as the
+product of one row of each (:meth:`RopeParams.rotate`). RoPE variants whose angle is not ``position * frequency`` (dynamic NTK
 scaling) cannot be shifted and are refused with a :class:`~kvcompress.ConfigError`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, Optional
 
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvcompress import ConfigError
+from kvcompress import ConfigError, ops
 
 __all__ = ["PositionShift", "RopeParams", "rope_params"]
 
+
+
+#: rows per table level; a rotation by ``|delta| = d0 + d1 K + d2 K^2`` (digits ``< K``) is the
+#: product of one row of each level, so three levels cover every int32 position
+_RADIX = 2048
+_LEVEL_ROWS = (_RADIX, _RADIX, 2**31 // _RADIX**2)
+#: the tables of each distinct rotation (one per model, not per layer: a few MB at most)
+_TABLES: dict = {}
 
 
 @attrs.frozen
@@ -43,20 +53,62 @@ class RopeParams:
     scale: float
     freqs: Optional[mx.array] = attrs.field(default=None, eq=False)
 
+    def _rope(self, x: mx.array, offset: mx.array) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+                            offset=offset.astype(mx.int32), freqs=self.freqs)
+
+    def tables(self) -> list:
+        """Per level ``l``, ``[rows, dims]``: row ``r`` holds ``cos`` then ``sin`` of the rotation
+        by ``r * K^l`` positions, one per rotated pair -- the model's RoPE itself applied to unit
+        pairs, so its layout, base, scale and frequencies are the module's own. Built once per
+        distinct rotation."""
+        key = (self.dims, self.traditional, self.base, self.scale,
+               None if self.freqs is None else tuple(self.freqs.tolist()))
+        if key not in _TABLES:
+            half = self.dims // 2
+            unit = mx.array([1.0, 0.0] * half if self.traditional else [1.0] * half + [0.0] * half)
+            out = []
+            for level, rows in enumerate(_LEVEL_ROWS):
+                t = self._rope(mx.broadcast_to(unit, (rows, 1, self.dims)), mx.arange(rows) * _RADIX**level)[:, 0]
+                out.append(mx.concatenate([t[:, 0::2], t[:, 1::2]], -1) if self.traditional else t)
+            mx.eval(out)
+            _TABLES[key] = out
+        return _TABLES[key]
+
     def rotate(self, x: mx.array, delta: mx.array) -> mx.array:
-        """Rotate each vector ``x[..., j, :]`` by its own position offset ``delta[..., j]``."""
-        shape = x.shape
-        flat = x.reshape(-1, 1, shape[-1])
-        out = mx.fast.rope(
-            flat,
-            self.dims,
-            traditional=self.traditional,
-            base=self.base,
-            scale=self.scale,
-            offset=delta.reshape(-1).astype(mx.int32),
-            freqs=self.freqs,
-        )
-        return out.reshape(shape)
+        """Rotate each vector ``x[..., j, :]`` by its own position offset ``delta[..., j]`` (any
+        sign): ``R(delta) = R(d2 K^2) R(d1 K) R(d0)``, each factor one row of :meth:`tables`
+        (products of cosines and sines instead of a sine and a cosine per key element, which
+        ``mx.fast.rope`` with a per-slot offset computes: ~4x the time on a CPU)."""
+        fn = _rotate_compiled(self.traditional, self.dims) if ops.COMPILE else _rotation(self.traditional, self.dims)
+        return fn(x, delta.astype(mx.int32), *self.tables())
+
+
+def _rotation(traditional: bool, dims: int):
+    """``(x, delta, t0, t1, t2) -> x`` rotated (see :meth:`RopeParams.rotate`)."""
+    half = dims // 2
+
+    def rot(x, delta, t0, t1, t2):
+        a = mx.abs(delta)
+        rows = (t0[a % _RADIX], t1[(a // _RADIX) % _RADIX], t2[a // _RADIX**2])
+        c, s = rows[0][..., :half], rows[0][..., half:]
+        for r in rows[1:]:
+            c, s = c * r[..., :half] - s * r[..., half:], s * r[..., :half] + c * r[..., half:]
+        s = mx.where((delta < 0)[..., None], -s, s)  # R(-a) = R(a)^T
+        xf = x.astype(mx.float32)
+        x1, x2 = (xf[..., 0:dims:2], xf[..., 1:dims:2]) if traditional else (xf[..., :half], xf[..., half:dims])
+        y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+        y = mx.stack([y1, y2], -1).reshape(*y1.shape[:-1], dims) if traditional else mx.concatenate([y1, y2], -1)
+        if dims < x.shape[-1]:  # partial rotary: the rest passes through
+            y = mx.concatenate([y, xf[..., dims:]], -1)
+        return y.astype(x.dtype)
+
+    return rot
+
+
+@functools.lru_cache(maxsize=None)
+def _rotate_compiled(traditional: bool, dims: int):
+    return mx.compile(_rotation(traditional, dims))
 
 
 def rope_params(module) -> RopeParams:
