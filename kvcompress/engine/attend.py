@@ -61,6 +61,12 @@ class _AttendMixin:
                 query_weight=self._query_weight(valid, n), mass="group", bias=bias,
             )
             return out
+        if n == 1 and own is None and bias is None and sinks is None and not self._store.quantized \
+                and _grouped_decode_faster() and (self._rounds or self._rows.over_budget()):
+            # a decode step once tokens leave (nothing to match bit for bit any more), on a CPU:
+            # the grouped products read each key once per GQA group, where MLX's CPU attention
+            # repeats the keys for every query head (~1.7x the time at 2k slots, 3:1 GQA)
+            return ops.attention(queries, keys, values, scale)[0]
         return sdpa(queries, keys, values, cache=None, scale=scale, mask=own, sinks=sinks)
 
     def _attend_groups(self, sdpa, queries, keys, values, scale, mask, sinks):
@@ -315,6 +321,13 @@ class _AttendMixin:
                 self.group.rebudget_pending = True  # agreed across ranks at the next step's start
             else:
                 self.group.rebudget()
+
+
+def _grouped_decode_faster() -> bool:
+    """Whether a decode step is faster in :func:`kvcompress.ops.attention` than in MLX's fused
+    attention: on the CPU, whose ``scaled_dot_product_attention`` repeats the keys over each GQA
+    group's query heads (GPU kernels read them once and beat these products)."""
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def _low_bit_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
