@@ -176,6 +176,10 @@ class Observation:
     weights: in a scoring pass of a scorer that requires ``"pass_weights"``: the pass's float32
         attention probabilities ``[B, H_kv, G, N, T]`` (query head ``h * G + g`` of KV head
         ``h``; each query's softmax over the slots it saw), computed with the pass's attention.
+    written: ``[B, H, W]`` int32, when the cache knows them: the only slots whose key may differ
+        from the key the same slot held at this scorer's previous observation (the tokens
+        written since); None: any may (new layout, merged keys, a restored state...). A scorer
+        may keep per-slot values derived from keys in its state and redo only these.
     """
 
     queries: mx.array
@@ -200,6 +204,7 @@ class Observation:
     heads_per_row: int = 1
     values: Optional[mx.array] = None
     state: Any = None
+    written: Optional[mx.array] = None
     tokens: Optional[mx.array] = None
     scoring_pass: bool = False
     predictions: Optional[Predictions] = None

@@ -67,7 +67,7 @@ def test_decode_merge_reusing_key_norms_equals_computing_them(models, batch, mon
 
     def drive(fresh: bool):
         if fresh:  # the cache never says which slots it wrote: every norm is computed
-            monkeypatch.setattr(Slots, "written_slots", lambda self: None)
+            monkeypatch.setattr(Slots, "written_slots", lambda self, since="written": None)
         else:
             monkeypatch.undo()
             monkeypatch.setattr(GatedMerge, "_nearest_rows", spy)

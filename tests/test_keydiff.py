@@ -120,3 +120,64 @@ def test_head_groups_score_each_head_against_its_own_anchor(g):
         want = reference(keys[:, :, mine].astype(np.float64), pos[:, :, mine])[0, 0]
         assert np.allclose(got[mine], want, atol=2e-5)
     assert got[3] == 0.0
+
+
+def _scores_match(cache, atol=3e-5):
+    for c in cache:
+        keys = np.array(c.keys_and_values()[0].astype(mx.float32), dtype=np.float64)
+        pos = np.array(c.slot_positions)
+        got, want = np.array(c.slot_scores), reference(keys, pos)
+        assert np.allclose(got, want, atol=atol), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kept_norms_give_the_scores_of_the_stored_keys_through_decode(dtype, tmp_path):
+    """Each slot's inverse norm is kept between steps and redone only where a token was written
+    (``Observation.written``): through decode, the step after a trim, a save/load and a copy
+    the scores are the reference of the keys the cache holds."""
+    import copy
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, seed=3)
+    model.set_dtype(getattr(mx, dtype))
+    cache = kvcompress.make_prompt_cache(model, "keydiff", budget=16, n_sink=2, recent=2)
+    ids = np.random.default_rng(4).integers(0, 97, 80)
+    model(mx.array(ids[None, :40]), cache=cache)
+    for i in range(40, 52):
+        model(mx.array([[int(ids[i])]]), cache=cache)
+        _scores_match(cache)
+    assert all(c.trim(1) == 1 for c in cache)  # (its scores are the step's before: not checked)
+    for i in range(52, 56):
+        model(mx.array([[int(ids[i])]]), cache=cache)
+        _scores_match(cache)
+    kvcompress.save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    loaded = kvcompress.load_prompt_cache(str(tmp_path / "c.safetensors"), model=model)
+    twin = copy.deepcopy(cache)
+    for c in (loaded, twin):
+        for i in range(56, 62):
+            model(mx.array([[int(ids[i])]]), cache=c)
+            _scores_match(c)
+
+
+def test_a_decode_step_redoes_the_norm_of_the_written_slot_only(monkeypatch):
+    """The cache tells the scorer which slots changed: at each decode step past the budget,
+    exactly the slot the new token went into (per row and head); the prompt chunk and the first
+    step (which carries out the prompt's deferred eviction and compacts) lay out new slots and
+    say nothing (every norm is computed)."""
+    seen = []
+    observe = KeyDiffScorer.observe
+
+    def spy(self, scores, obs):
+        seen.append((obs.written, obs.positions, obs.offsets))
+        return observe(self, scores, obs)
+
+    monkeypatch.setattr(KeyDiffScorer, "observe", spy)
+    model = tiny_llama(n_layers=1, hidden=64, heads=4, kv_heads=2, seed=5)
+    cache = kvcompress.make_prompt_cache(model, "keydiff", budget=12, n_sink=2, recent=2)
+    model(mx.arange(30).reshape(1, 30), cache=cache)
+    for t in range(5):
+        model(mx.array([[40 + t]]), cache=cache)
+    assert seen[0][0] is None
+    for written, pos, offsets in seen[2:]:
+        assert written is not None and written.shape == (1, 2, 1)
+        newest = np.array(mx.take_along_axis(pos, written, axis=-1))
+        assert (newest == offsets[0] - 1).all()

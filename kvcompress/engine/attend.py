@@ -219,13 +219,16 @@ class _AttendMixin:
         mass, self._step_mass = self._step_mass, None
         before = (self._slots.score, self._states["scorer"])
         pos, owner = self._slots.positions_and_owner()
+        # a key the step attends differs from the stored one only if rotated (view_keys)
+        written = None if proxy or self._hooks.disposition.view_keys is not None else \
+            self._slots.written_slots("observed")
         obs = Observation(
             queries=queries, keys=k, positions=pos, query_positions=qpos, n_new=S, scale=scale,
             offset=self._offset(), offsets=tuple(self._rows.seen()), layer=self.info,
             n_valid=tuple(valid), query_weight=self._query_weight(valid, S), proxy=proxy,
             all_visible=S == 1 and not self._slots.holes(self._rows.held) and self._slots.g == 1, bias=bias, values=self._slots.float_kv()[1],
             state=_state.snapshot(self._states["scorer"]), tokens=self._step_tokens, group=self.group,
-            owner=owner, heads_per_row=self._slots.g,
+            owner=owner, heads_per_row=self._slots.g, written=written,
         )
         if mass is not None and not proxy:
             obs.seed_attention_mass(mass)
@@ -234,6 +237,7 @@ class _AttendMixin:
             score = score.mean(axis=1, keepdims=True)  # KV (MLA prefill): the group's mean
         self._slots.score = score if score.dtype == mx.float32 else score.astype(mx.float32)
         self._states["scorer"] = obs.state
+        self._slots.observed = (self._slots.keys, [])
         self._pending = None
         self._unreduced = self._reduce
         keep_q = S <= UNDO_TOKENS and not proxy

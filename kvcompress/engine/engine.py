@@ -134,6 +134,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         """Continue with ``method``, a composition whose component states fit this cache's (a
         benchmark's ablation: the same method with scoring switched off)."""
         self._use(method)
+        self._slots.observed = None
 
     @classmethod
     def restore(cls, method, budget: int, state, info, group):

@@ -126,6 +126,7 @@ class PassView:
             new = new[..., : self._t]
             c._slots.score = new if new.dtype == mx.float32 else new.astype(mx.float32)
         c._states["scorer"] = obs.state
+        c._slots.observed = None  # the scorer last saw the pass's keys, not the stored ones
         c._unreduced = c._reduce
         if self._weights is not None:
             # the probabilities [B, H, G, N, T] are consumed now, in this layer: a lazy pass would

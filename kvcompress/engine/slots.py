@@ -8,7 +8,8 @@
 * ``score`` ``[B, R, n]`` float32: the scorer's running score of each slot;
 * ``n``: the stored width; ``g``: KV heads per row (0 before the first step);
 * ``written``: ``(keys, [slots])`` written since the last eviction (while those are all that
-  changed: a disposition may then re-read only them); ``last``: the slots the last single token
+  changed: a disposition may then re-read only them); ``observed``: the same since the scorer's
+  last observation (``Observation.written``); ``last``: the slots the last single token
   went into (None when it was appended), which an exact trim frees;
 * ``version``: counts the changes of ``pos`` (every layout change makes a new one); head groups:
   ``columns``, each head's slots listed for decode attention (:mod:`.heads`), ``appended``
@@ -57,6 +58,7 @@ class Slots:
         self.n = 0
         self.g = 0
         self.written: Optional[tuple] = None
+        self.observed: Optional[tuple] = None
         self.last: Optional[mx.array] = None
         self.columns = None  # heads.HeadColumns
         self.appended: Optional[tuple] = None
@@ -166,9 +168,10 @@ class Slots:
         room = max(g, slack) if g > 1 and self.n <= top else g
         return all(self.n - n >= g for n in held) and self.n <= max(held) + room
 
-    def written_slots(self):
-        """The slots written since the last eviction, if those are all that changed (else None)."""
-        w = self.written
+    def written_slots(self, since: str = "written"):
+        """The slots written since the last eviction (``since="observed"``: since the scorer's last
+        observation), if those are all that changed (else None)."""
+        w = getattr(self, since)
         if w is None or w[0] is not self.keys:
             return None
         if len(w[1]) == 1:
@@ -242,13 +245,14 @@ class Slots:
                 slot, free = (first[..., :g], (first, g)) if k > g else (first, None)
         idx = slot[..., None]
         before = self.version
-        chain = self.written is not None and self.written[0] is self.keys and len(self.written[1]) < 8
+        chain = [w is not None and w[0] is self.keys and len(w[1]) < 8 for w in (self.written, self.observed)]
         self.keys = put_slots(self.keys, idx, keys)
         self.values = put_slots(self.values, idx, values)
         self.pos = mx.put_along_axis(self.pos, slot, pos, axis=-1)
         self.score = mx.put_along_axis(self.score, slot, mx.array(0.0), axis=-1)
         self.last = slot
-        self.written = (self.keys, self.written[1] + [slot]) if chain else None
+        self.written = (self.keys, self.written[1] + [slot]) if chain[0] else None
+        self.observed = (self.keys, self.observed[1] + [slot]) if chain[1] else None
         # into empty slots (nothing freed this step): each head's column list grows by one
         self.appended = (before, self.version, slot) if freed is None and g > 1 else None
         self.free = free + (self.version,) if free is not None else None
@@ -288,7 +292,7 @@ class Slots:
             else:
                 self.keys = concat_slots([self.keys[..., :prev, :], new_k])
                 self.values = concat_slots([self.values[..., :prev, :], new_v])
-        self.written = None  # (the slice update below keeps the array object)
+        self.written = self.observed = None  # (the slice update below keeps the array object)
         self.keys[..., prev : prev + S, :] = keys
         self.values[..., prev : prev + S, :] = values
         before = self.version
@@ -356,7 +360,7 @@ class Slots:
 
     def set_layouts(self, parts: list, width: int) -> None:
         """Replace the storage by ``parts`` (laid out ``width`` wide) stacked along the batch."""
-        self.written, self.last, self.columns = None, None, None
+        self.written, self.observed, self.last, self.columns = None, None, None, None
         if parts:
             k, v, pos, score = zip(*parts)
             self.keys, self.values = concat_slots(list(k), axis=0), concat_slots(list(v), axis=0)

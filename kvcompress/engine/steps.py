@@ -123,6 +123,7 @@ class _StateMixin:
         self._slots.drop_last(n * self._slots.g, scores)
         self._rows.rewind(n, self._slots.g)
         self._states["scorer"] = sstate
+        self._slots.observed = None  # what the restored state saw is not what is stored now
         self._undo = None
         if not keep:  # the whole step leaves: so does its observation
             if proxy:
@@ -226,6 +227,8 @@ class _StateMixin:
     def set_component_state(self, kind: str, state: Any) -> None:
         """Replace the ``kind`` component's state (what its ``bind`` hook returned, at build)."""
         self._states[kind] = state
+        if kind == "scorer":
+            self._slots.observed = None
 
     def __deepcopy__(self, memo):
         """A copy that continues exactly like the original; copies of a prompt's caches made in

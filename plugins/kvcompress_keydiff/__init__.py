@@ -8,9 +8,9 @@ are reachable as parameters; see ``docs/methods/keydiff.md``).
 
 from kvcompress import ComponentSpec, MethodSpec, hookimpl
 
-from .scorer import KeyDiffScorer
+from .scorer import KeyDiffScorer, KeyDiffState
 
-__all__ = ["KeyDiffScorer"]
+__all__ = ["KeyDiffScorer", "KeyDiffState"]
 
 PAPER = "https://arxiv.org/abs/2504.15364"
 
