@@ -22,7 +22,7 @@ def _decode(model, cache, ids, n):
     return out
 
 
-@pytest.mark.parametrize("method", ["streaming_llm", "keydiff", "knorm"])
+@pytest.mark.parametrize("method", ["streaming_llm", "keydiff", "expected_attention"])
 def test_decode_past_the_budget_uses_grouped_products_on_the_cpu_with_the_same_logits(method, monkeypatch):
     model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=2, seed=7)
     ids = np.random.default_rng(1).integers(0, 97, 64)
