@@ -18,20 +18,9 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import KVCompressError
-from ._profile import _cache_arrays
+from ._profile import _cache_arrays, _layer_inputs
 
 __all__ = ["synthetic_fill"]
-
-
-def _draw(shape, layer: int, start: int, n: int, seed: int):
-    """Keys, values ``[1, H_kv, n, D]`` and queries ``[1, H, n, D]`` of one layer's chunk."""
-    key = mx.random.key(seed * 1_000_003 + layer * 65_537 + start)
-    kk, kv, kq = mx.random.split(key, 3)
-    dt = getattr(mx, shape.dtype)
-    k = mx.random.normal((1, shape.n_kv_heads, n, shape.head_dim), key=kk).astype(dt)
-    v = mx.random.normal((1, shape.n_kv_heads, n, shape.head_dim), key=kv).astype(dt)
-    q = mx.random.normal((1, shape.n_heads, n, shape.head_dim), key=kq).astype(dt)
-    return k, v, q
 
 
 def synthetic_fill(shape, seed: int = 0) -> Callable[[list, int, int, int], int]:
@@ -48,7 +37,8 @@ def synthetic_fill(shape, seed: int = 0) -> Callable[[list, int, int, int], int]
         while pos < end:
             stop = min(end, (pos // step + 1) * step)
             for layer, c in enumerate(cache):
-                k, v, q = _draw(shape, layer, pos, stop - pos, seed)
+                # three keys per (layer, chunk start): key, key + 1, key + 2
+                k, v, q = _layer_inputs(shape, stop - pos, 3 * (seed * 1_000_003 + layer * 65_537 + pos))
                 try:
                     c.update_and_fetch(k, v)
                     if isinstance(c, CompressedKVCache):

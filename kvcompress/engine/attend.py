@@ -50,23 +50,22 @@ class _AttendMixin:
         attend = self._hooks.disposition.attend
         if attend is not None:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
-        if sinks is None and self._mass_wanted(n) and (self._rounds or self._rows.over_budget()):
-            # A compressing step (a chunk, or a decode step once tokens leave): one softmax
-            # gives both the output and the scorer's mass. Below budget the cache attends
-            # exactly as mlx-lm's KVCache does (its fused attention, in the cache's dtype).
+        mass = self._mass_wanted(n)
+        plain = n == 1 and own is None  # one query seeing every slot: no mask at all
+        if sinks is None and (mass or (plain and _grouped_decode_faster())) and (
+                self._rounds or self._rows.over_budget()):
+            # Once tokens leave: a compressing step (a chunk, or a decode step) whose scorer reads
+            # the mass gets it from the step's own softmax; a decode step on a CPU attends with the
+            # grouped products anyway (they read each key once per GQA group, where MLX's CPU
+            # attention repeats the keys for every query head: ~1.7x the time at 2k slots, 3:1).
+            # Below budget the cache attends exactly as mlx-lm's KVCache does (its fused
+            # attention, in the cache's dtype).
             _, valid, _ = self._pending
-            plain = n == 1 and own is None  # one query seeing every slot: no mask at all
             out, self._step_mass = ops.attention(
                 queries, keys, values, scale, None if plain else self._slots.pos, None if plain else self._qpos(n),
-                query_weight=self._query_weight(valid, n), mass="group", bias=bias,
+                query_weight=self._query_weight(valid, n), mass="group" if mass else None, bias=bias,
             )
             return out
-        if n == 1 and own is None and bias is None and sinks is None and not self._store.quantized \
-                and _grouped_decode_faster() and (self._rounds or self._rows.over_budget()):
-            # a decode step once tokens leave (nothing to match bit for bit any more), on a CPU:
-            # the grouped products read each key once per GQA group, where MLX's CPU attention
-            # repeats the keys for every query head (~1.7x the time at 2k slots, 3:1 GQA)
-            return ops.attention(queries, keys, values, scale)[0]
         return sdpa(queries, keys, values, cache=None, scale=scale, mask=own, sinks=sinks)
 
     def _attend_groups(self, sdpa, queries, keys, values, scale, mask, sinks):
