@@ -18,6 +18,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import KVCompressError
+from ._harness import chunks
 from ._profile import _cache_arrays, _layer_inputs
 
 __all__ = ["synthetic_fill"]
@@ -33,9 +34,7 @@ def synthetic_fill(shape, seed: int = 0) -> Callable[[list, int, int, int], int]
     scale = shape.head_dim ** -0.5
 
     def fill(cache: list, start: int, end: int, step: int) -> int:
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // step + 1) * step)
+        for pos, stop in chunks(start, end, step):
             for layer, c in enumerate(cache):
                 # three keys per (layer, chunk start): key, key + 1, key + 2
                 k, v, q = _layer_inputs(shape, stop - pos, 3 * (seed * 1_000_003 + layer * 65_537 + pos))
@@ -48,7 +47,6 @@ def synthetic_fill(shape, seed: int = 0) -> Callable[[list, int, int, int], int]
                     raise ValueError(f"the synthetic fill feeds the cache without the model ({why}): "
                                      "use fill 'prompt'") from exc
             mx.eval([a for c in cache for a in _cache_arrays(c)])
-            pos = stop
         return end
 
     return fill

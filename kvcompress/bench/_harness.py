@@ -32,6 +32,7 @@ __all__ = [
     "greedy_step",
     "sync_stepper",
     "prefill",
+    "chunks",
     "start_generation",
     "time_block",
     "time_generation",
@@ -102,13 +103,20 @@ def prefill(model, cache: list, tokens: mx.array, start: int, end: int, step: in
     """Feed ``tokens[start:end]`` in chunks whose boundaries fall on multiples of ``step``
     (``model(chunk, cache)``, then ``mx.eval`` of the cache state, as ``mlx_lm.generate`` does);
     return ``end``."""
+    for pos, stop in chunks(start, end, step):
+        model(tokens[None, pos:stop], cache=cache)
+        mx.eval([c.state for c in cache])
+    return end
+
+
+def chunks(start: int, end: int, step: int) -> Iterator[tuple[int, int]]:
+    """``(pos, stop)`` of the chunks from ``start`` to ``end`` whose boundaries fall on multiples
+    of ``step`` (so a prompt read in segments is cut where it would be read at once)."""
     pos = start
     while pos < end:
         stop = min(end, (pos // step + 1) * step)
-        model(tokens[None, pos:stop], cache=cache)
-        mx.eval([c.state for c in cache])
+        yield pos, stop
         pos = stop
-    return end
 
 
 def start_generation(model, prompt: mx.array, cache: list, prefill_step_size: int, max_tokens: int):
