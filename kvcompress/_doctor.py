@@ -1,4 +1,4 @@
-"""``kvcompress doctor``: MLX, BLAS speed, the low-bit kernel and the plugins, checked."""
+"""``kvcompress doctor``: MLX, BLAS speed, the CPU kernels and the plugins, checked."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def cmd_doctor(args) -> int:
 
     lowbit = _lowbit.status()
     why = lowbit["reason"] or ""
-    print("lowbit     " + ("few-row low-bit CPU kernel built (KIVI decode)" if lowbit["available"] else (
+    print("lowbit     " + ("CPU kernels built (KIVI's low-bit products, the attention softmax)" if lowbit["available"] else (
         "low-bit CPU kernel " if why.startswith("not built yet") else "MLX's quantized_matmul: ") + why))
     reg = _registry(listing=True)
     width = _width((p.name for p in reg.plugins()), 14)

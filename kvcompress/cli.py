@@ -45,7 +45,7 @@ COMMANDS = {
         "components": "list the components by kind, with their parameters",
         "plugins": "list the plugins, their package, version and components",
         "config": "check a TOML/JSON method config file (config validate FILE)",
-        "doctor": "check MLX, BLAS speed, the low-bit kernel and the plugins",
+        "doctor": "check MLX, BLAS speed, the CPU kernels and the plugins",
     },
 }
 SUMMARIES = {name: text for group in COMMANDS.values() for name, text in group.items()}

@@ -16,7 +16,6 @@ One mask rule and one masked attention serve the whole project:
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -25,6 +24,8 @@ import mlx.core as mx
 
 from kvcompress._lowbit import prepare as prepare_quantized_matmul  # re-exported: build it before timing
 from kvcompress._lowbit import quantized_matmul  # re-exported: the few-row low-bit product
+from kvcompress._exp import _exp_nonpositive
+from kvcompress._lowbit import row_softmax
 from kvcompress.storage import QuantizedSlots, for_step, keys_product, values_product
 
 __all__ = ["COMPILE", "EVAL_BLOCKS_ABOVE", "FAST_SOFTMAX_MAX", "NEG", "QUERY_BLOCK", "ExtraKeys", "attention", "attention_mass", "grouped_matmul", "owner_mask", "prepare_quantized_matmul", "quantized_matmul", "visibility", "lowest_k", "sortable_bits"]
@@ -62,33 +63,6 @@ class ExtraKeys:
     output: Callable[[mx.array], mx.array]
 
 
-#: ``e^z`` for ``z <= 0`` (see :func:`_softmax`): ``z`` at or below this gives 0 (``e^-87 ~ 1.6e-38``)
-_EXP_FLOOR = -87.0
-_LN2_HI, _LN2_LO = 0.693145751953125, 1.428606765330187e-06  # ln 2 = hi + lo, hi exact in 12 bits
-_EXP_TAYLOR = tuple(1.0 / math.factorial(k) for k in range(8))
-
-
-def _exp_nonpositive(z: mx.array) -> mx.array:
-    """``e^z`` for float32 ``z <= 0`` in element-wise float32 arithmetic (compiled: no ``exp``).
-
-    Cody-Waite reduction ``z = n ln 2 + r`` with ``n = round(z / ln 2)`` (``ln 2`` split in two so
-    ``r`` is exact) and ``|r| <= ln 2 / 2``; ``e^r`` by its degree-7 Taylor polynomial
-    (truncation < 3e-9); ``2^n = 1 / ((2^(k // 4))^4 2^(k % 4))`` with ``k = -n``, from
-    integer shifts and products of powers of two (exact). Within ~1 ulp of ``e^z`` (MLX's CPU
-    ``exp``: up to ~60 ulp); ``z`` at or below :data:`_EXP_FLOOR` gives exactly 0, NaN gives NaN."""
-    n = mx.round(mx.maximum(z, _EXP_FLOOR) * (1.0 / math.log(2)))  # in [-126, 0]
-    r = (z - n * _LN2_HI) - n * _LN2_LO
-    p = _EXP_TAYLOR[-1]
-    for c in reversed(_EXP_TAYLOR[:-1]):
-        p = p * r + c
-    k = (-n).astype(mx.uint32)
-    one = mx.array(1, mx.uint32)
-    quarter = (one << (k >> 2)).astype(mx.float32)  # 2^(k // 4), k // 4 <= 31
-    quarter = quarter * quarter
-    two_k = quarter * quarter * (one << (k & 3)).astype(mx.float32)
-    return mx.where(z <= _EXP_FLOOR, 0.0, p / two_k)  # NaN stays NaN
-
-
 #: shapeless: its graph is element-wise only (no reduction), so one trace serves every shape
 _exp_cpu = mx.compile(_exp_nonpositive, shapeless=True) if COMPILE else _exp_nonpositive
 
@@ -101,15 +75,32 @@ FAST_SOFTMAX_MAX = 1 << 18
 
 
 def _softmax(x: mx.array) -> mx.array:
-    """Float32 softmax over the last axis: ``mx.softmax``, except for small logits on the CPU,
-    where MLX's element-wise ``exp`` (~12 ns per element) dominated a decode step's attention
-    over a long store and SnapKV-style window re-scoring: there ``e = exp(x - max x)`` comes
-    from the compiled :func:`_exp_nonpositive` (3x faster on decode-sized logits, and closer to
-    the exact ``e^z``)."""
-    if mx.default_device() != mx.cpu or x.shape[-1] == 0 or x.size > FAST_SOFTMAX_MAX:
+    """Float32 softmax over the last axis: ``mx.softmax``, except on the CPU, where MLX's
+    element-wise ``exp`` (~12 ns per element) dominates attention (a decode step over a long
+    store, SnapKV-style window re-scoring, a prompt chunk): there the CPU kernels' vectorised
+    row softmax (:func:`kvcompress._lowbit.row_softmax`, ~6x ``mx.softmax`` on a prompt
+    chunk's logits), or where it is not built, for small logits, ``e = exp(x - max x)`` from
+    the compiled :func:`_exp_nonpositive` (3x faster on decode-sized logits; both are closer to
+    the exact ``e^z`` than MLX's)."""
+    if mx.default_device() != mx.cpu or x.shape[-1] == 0:
+        return mx.softmax(x, axis=-1)
+    kernel = row_softmax() if x.dtype == mx.float32 else None
+    if kernel is not None:
+        return kernel(x)
+    if x.size > FAST_SOFTMAX_MAX:
         return mx.softmax(x, axis=-1)
     e = _exp_cpu(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def _exp_shifted(x: mx.array) -> mx.array:
+    """``e^(x - max x)`` over the last axis of float32 ``x`` (unnormalised: a caller that sums
+    in its own order), by the CPU kernels where :func:`_softmax` uses them."""
+    kernel = row_softmax() if mx.default_device() == mx.cpu else None
+    if kernel is not None:
+        return kernel(x, normalize=False)
+    z = x - x.max(axis=-1, keepdims=True)
+    return _exp_cpu(z) if mx.default_device() == mx.cpu else mx.exp(z)
 
 
 def _f32(x: mx.array) -> mx.array:
@@ -282,9 +273,7 @@ def _owned_core(q, kt, v, owner, pos, qpos, ids):
     """``q [B, R, G, D]`` (scaled) over ``kt [B, R, D, T]``, ``v``: head ``k`` sees slot ``t`` iff
     ``owner[t] == ids[k]`` and ``0 <= pos[t] <= qpos`` (:func:`attention`'s mask and softmax)."""
     vis = (owner[:, :, None, :] == ids) & (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= qpos)
-    x = mx.where(vis, q @ kt, NEG)
-    e = _exp_nonpositive(x - x.max(axis=-1, keepdims=True))
-    w = e / e.sum(axis=-1, keepdims=True)
+    w = _softmax(mx.where(vis, q @ kt, NEG))
     return w @ v, w
 
 

@@ -244,6 +244,10 @@ class _FakeKernel:
         return mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size=group_size, bits=bits)
 
     @staticmethod
+    def softmax(x, *, normalize=True, stream=None):
+        return mx.softmax(x, axis=-1) if normalize else mx.exp(x - x.max(axis=-1, keepdims=True))
+
+    @staticmethod
     def has_avx2():
         return False
 

@@ -1,7 +1,7 @@
 """``kvcompress.ops.attention``, the one masked float32 attention (with mass) that the cache,
 SnapKV's window and KIVI share: mlx-lm's attention under its masks, query blocks (evaluated one
-at a time above ``EVAL_BLOCKS_ABOVE`` logits, or lazy), inside ``mx.compile``; and the CPU softmax
-it uses for small logits (``ops._softmax``)."""
+at a time above ``EVAL_BLOCKS_ABOVE`` logits, or lazy), inside ``mx.compile``; and the softmax
+it uses on the CPU (``ops._softmax``: the CPU kernels', or a compiled exp for small logits)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvcompress import ops
+from kvcompress import _exp, _lowbit, ops
 
 from test_kivi import _kv
 
@@ -106,27 +106,31 @@ def test_head_group_decode_path_equals_the_general_path_at_every_width(dtype, b,
 
 
 def test_cpu_exp_is_within_two_ulp_of_the_exact_exponential_and_zero_below_its_floor():
-    """``ops._exp_nonpositive`` (the CPU softmax's exp) against float64 ``exp`` over the whole
+    """``_exp._exp_nonpositive`` (the CPU softmax's exp where the CPU kernels are not built) against float64 ``exp`` over the whole
     float32 range it serves, compiled (as used) and eager: at most 2 ulp, exactly 1 at 0,
     exactly 0 at and below the floor (masked logits give no weight)."""
     z = np.concatenate([np.linspace(-86.99, 0, 200_001, dtype=np.float32), -np.logspace(-30, 1.9, 2001, dtype=np.float32)])
     want = np.exp(z.astype(np.float64))
     ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
-    for fn in (ops._exp_cpu, ops._exp_nonpositive):
+    for fn in (ops._exp_cpu, _exp._exp_nonpositive):
         got = np.array(fn(mx.array(z))).astype(np.float64)
         assert np.max(np.abs(got - want) / ulp) <= 2.0
-        edge = np.array(fn(mx.array([0.0, ops._EXP_FLOOR, -100.0, ops.NEG, np.nan], mx.float32)))
+        edge = np.array(fn(mx.array([0.0, _exp._EXP_FLOOR, -100.0, ops.NEG, np.nan], mx.float32)))
         assert edge[:4].tolist() == [1.0, 0.0, 0.0, 0.0] and np.isnan(edge[4])  # NaN is not hidden
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1), (2, 4, 2, 1, 300), (1, 2, 4, 7, 33), (1, 1, 1, 3, 0)])
-def test_cpu_softmax_matches_the_float64_softmax_under_masks(shape, fast, monkeypatch):
-    """``ops._softmax`` -- the CPU kernel for logits up to ``FAST_SOFTMAX_MAX`` elements, else
-    ``mx.softmax`` -- is the float64 softmax to float32 rounding at any shape (the compiled
-    kernel is shapeless: the first shape it sees fixes nothing): masked logits (``NEG``) get
-    exactly 0, and a row that sees nothing is uniform, as with ``mx.softmax``."""
+def test_cpu_softmax_matches_the_float64_softmax_under_masks(shape, fast, kernels, monkeypatch):
+    """``ops._softmax`` -- the CPU kernels' row softmax where they are built, else the compiled
+    exp for logits up to ``FAST_SOFTMAX_MAX`` elements, else ``mx.softmax`` -- is the float64
+    softmax to float32 rounding at any shape (the compiled exp is shapeless: the first shape it
+    sees fixes nothing): masked logits (``NEG``) get exactly 0, and a row that sees nothing is
+    uniform, as with ``mx.softmax``."""
     monkeypatch.setattr(ops, "FAST_SOFTMAX_MAX", ops.FAST_SOFTMAX_MAX if fast else 0)
+    if not kernels:
+        monkeypatch.setattr(_lowbit, "_resolved", {"module": None, "reason": "test"})
     rng = np.random.default_rng(sum(shape))
     x = (rng.standard_normal(shape) * 6).astype(np.float32)
     masked = rng.random(shape) < 0.3

@@ -1,5 +1,14 @@
-"""Few-row low-bit matmul on the CPU: ``x @ dequantize(w)`` (or ``x @ dequantize(w).T``) for
-packed affine codes.
+"""kvcompress's CPU kernels: a few-row low-bit matmul and a float32 row softmax.
+
+**Softmax** (:func:`row_softmax`): ``softmax(x, axis=-1)`` of float32 logits in one vectorised
+pass per row (AVX2 or SSE2 lanes; ``e^z`` by the same range reduction and polynomial as
+:func:`kvcompress._exp._exp_nonpositive`, within ~2 ulp), the rows of a large input split over
+the CPU's threads. MLX's CPU ``exp`` is scalar (~12 ns an element): on this kind of machine the
+softmax, not the products, was most of a long prompt chunk's attention (a 768 x 2560 block of
+logits per KV head: 73 ms in ``mx.softmax``, 12 ms here). :func:`kvcompress.ops.attention` uses
+it for every float32 softmax on the CPU, decode steps and prompt chunks alike.
+
+**Low-bit matmul**: ``x @ dequantize(w)`` (or ``x @ dequantize(w).T``) for packed affine codes.
 
 A drop-in for ``mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits)`` with few
 rows of ``x`` (decode steps: a KV head's query heads). MLX's CPU kernel for ``transpose=False``
@@ -27,7 +36,7 @@ import numpy as np
 
 from . import _build
 
-__all__ = ["prepare", "quantized_matmul", "status"]
+__all__ = ["prepare", "quantized_matmul", "row_softmax", "status"]
 
 _lock = threading.Lock()
 _resolved: dict = {}  # once per process: {"module": module or None, "reason": str or None}
@@ -67,7 +76,10 @@ def _probe(module) -> None:
     x = mx.array(rng.normal(size=(2, 3, 64)).astype(np.float32))
     want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=2)
     want_t = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=2)
+    logits = mx.array(rng.normal(size=(3, 37)).astype(np.float32) * 8)
     try:
+        soft = bool(mx.allclose(module.softmax(logits, stream=mx.cpu), mx.softmax(logits, axis=-1),
+                                rtol=1e-5, atol=1e-7).item())
         got = module.qmm(x, q, s, b, group_size=32, bits=2, stream=mx.cpu)
         got_t = module.qmm(x, q, s, b, group_size=32, bits=2, transpose=True, stream=mx.cpu)
         ok = bool(mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()) and bool(
@@ -79,14 +91,26 @@ def _probe(module) -> None:
         ) from None
     if not ok:
         raise _build.BuildError("the built low-bit kernel disagrees with mx.quantized_matmul; not used")
+    if not soft:
+        raise _build.BuildError("the built CPU softmax disagrees with mx.softmax; not used")
 
 
 def prepare() -> bool:
-    """Resolve the kernel now, building it on first use (a notice on stderr, ~40 s), when MLX's
-    default device is the CPU; whether it will be used. Components that read the packed store
-    call it when a cache is made or loaded, so the build never lands inside a timed decode step
-    or between the tokens of a streamed answer."""
+    """Resolve the kernels now, building them on first use (a notice on stderr, ~40 s), when MLX's
+    default device is the CPU; whether they will be used. Every compressed cache calls it when it
+    is made (its attention's softmax runs here), so the build never lands inside a timed decode
+    step or between the tokens of a streamed answer."""
     return mx.default_device() == mx.cpu and _kernel() is not None
+
+
+def row_softmax():
+    """The kernels' ``softmax(x)`` over the last axis of float32 ``x`` on the CPU stream, or None
+    where they are not used (another device, another platform, ``KVCOMPRESS_LOWBIT=0``, a failed
+    build): then MLX's softmax runs. Resolves (builds, the first time) the kernels."""
+    if mx.default_device() != mx.cpu:
+        return None
+    module = _kernel()
+    return None if module is None else module.softmax
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,

@@ -35,6 +35,7 @@ from .attend import UNDO_TOKENS, _AttendMixin
 from .plan import PlannedEviction, _PlanMixin
 from .steps import STATE_VERSION, _StateMixin
 from .report import _ViewMixin
+from .._lowbit import prepare as _prepare_cpu_kernels
 from ..components import KINDS
 from ..contexts import Eviction, LayerInfo, Selection
 from ..errors import ConfigError
@@ -75,6 +76,7 @@ class Engine(_PlanMixin, _AttendMixin, _StateMixin, _ViewMixin, _BaseCache):
         self.info = info if info is not None else LayerInfo(layer=int(layer))
         self._use(method)
         self._store = method.storage  # how the kept slots are held (kvcompress.storage)
+        _prepare_cpu_kernels()  # the CPU softmax of its attention: built now, never inside a timed step
         self._rows = Rows(self._check_budget(budget), offsets)  # per-row host facts (rows.py)
         self.group = group if group is not None else new_group()
         self.group.add(self.info.layer, self)

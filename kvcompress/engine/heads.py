@@ -23,7 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..ops import NEG, _exp_cpu, _f32
+from ..ops import NEG, _exp_shifted, _f32
 
 __all__ = ["HeadColumns", "PAD", "attend_columns", "head_columns"]
 
@@ -80,8 +80,7 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     logits = mx.pad(logits.reshape(b, r, g, rep, t), [(0, 0)] * 4 + [(0, 1)], constant_values=NEG)
     at = dest[:, :, :, None, :]  # each query head's KV head's columns
     x = mx.take_along_axis(logits, at, axis=-1)
-    z = x - x.max(axis=-1, keepdims=True)
-    e = _exp_cpu(z) if mx.default_device() == mx.cpu else mx.exp(z)  # as ops' softmax (0 on padding)
+    e = _exp_shifted(x)  # as ops' softmax (0 on padding)
     # onto the row's slots, zero elsewhere (padding onto the extra column, dropped)
     full = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), at, e, axis=-1).reshape(b, r, h_q // r, t + 1)[..., :t]
     full = full / full.sum(axis=-1, keepdims=True)

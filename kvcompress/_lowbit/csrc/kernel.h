@@ -24,4 +24,9 @@ struct Args {
 namespace base { void run(const Args& a); }
 namespace avx2 { void run(const Args& a); }
 
+// out[r, :] = softmax(x[r, :]) (normalize=false: e^(x[r, :] - max x[r, :])) for `rows` contiguous
+// float32 rows of `n` (softmax_impl.inc)
+namespace base { void softmax_rows(const float* x, float* out, int64_t rows, int64_t n, bool normalize); }
+namespace avx2 { void softmax_rows(const float* x, float* out, int64_t rows, int64_t n, bool normalize); }
+
 }  // namespace lowbit

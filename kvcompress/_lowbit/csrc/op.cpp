@@ -3,6 +3,7 @@
 #include <memory>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "kernel.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -151,6 +152,54 @@ std::vector<mx::Shape> LowbitQmm::output_shapes(const std::vector<mx::array>& in
   auto sh = inputs[0].shape();
   sh.back() = transpose_ ? inputs[1].shape(-2) : inputs[1].shape(-1) * 32 / bits_;
   return {sh};
+}
+
+mx::array softmax_last(const mx::array& x, bool normalize, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || x.dtype() != mx::float32 || x.ndim() == 0) {
+    if (normalize) return mx::softmax(x, std::vector<int>{-1}, false, s);
+    return mx::exp(mx::subtract(x, mx::max(x, -1, true, s), s), s);
+  }
+  auto xc = mx::contiguous(x, false, stream);
+  return mx::array(xc.shape(), mx::float32, std::make_shared<RowSoftmax>(stream, normalize), {xc});
+}
+
+//: elements from which the rows are split over threads (below, one thread: no start-up cost)
+constexpr int64_t SOFTMAX_THREADS_FROM = 1 << 17;
+
+void RowSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  // rows are read before they are written (max, then e^(x - max) in place): the logits' buffer
+  // serves as the output when nothing else holds it, so a chunk's softmax allocates nothing
+  if (x.is_donatable() && x.flags().row_contiguous && x.nbytes() == out.nbytes()) out.copy_shared_buffer(x);
+  else out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(x);
+  enc.set_output_array(out);
+  int64_t n = x.shape(-1);
+  if (out.size() == 0 || n == 0) return;
+  int64_t rows = x.size() / n;
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  bool norm = normalize_;
+  enc.dispatch([xp, op, rows, n, norm]() {
+    auto run = [&](int64_t r0, int64_t r1) {
+      if (has_avx2()) avx2::softmax_rows(xp + r0 * n, op + r0 * n, r1 - r0, n, norm);
+      else base::softmax_rows(xp + r0 * n, op + r0 * n, r1 - r0, n, norm);
+    };
+    int64_t parts = 1;
+    if (rows * n >= SOFTMAX_THREADS_FROM)
+      parts = std::min<int64_t>({rows, (int64_t)std::max(1u, std::thread::hardware_concurrency()), 8});
+    if (parts <= 1) return run(0, rows);
+    std::vector<std::thread> workers;
+    for (int64_t p = 1; p < parts; p++) workers.emplace_back(run, rows * p / parts, rows * (p + 1) / parts);
+    run(0, rows / parts);
+    for (auto& w : workers) w.join();
+  });
+}
+
+void RowSoftmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[softmax_last] no GPU implementation");
 }
 
 }  // namespace lowbit

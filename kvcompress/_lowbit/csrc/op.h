@@ -14,6 +14,26 @@ mx::array qmm_few_rows(const mx::array& x, const mx::array& w, const mx::array& 
 
 bool has_avx2();
 
+// softmax(x, axis=-1) for float32 x on the CPU: one pass of vectorised exp per row (MLX's CPU
+// exp is scalar), rows split over threads when there are many.
+// normalize=false: e^(x - max x) per row, unnormalised.
+mx::array softmax_last(const mx::array& x, bool normalize = true, mx::StreamOrDevice s = {});
+
+class RowSoftmax : public mx::UnaryPrimitive {
+ public:
+  RowSoftmax(mx::Stream stream, bool normalize) : mx::UnaryPrimitive(stream), normalize_(normalize) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "RowSoftmax"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return normalize_ == static_cast<const RowSoftmax&>(other).normalize_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  bool normalize_;
+};
+
 class LowbitQmm : public mx::UnaryPrimitive {
  public:
   LowbitQmm(mx::Stream stream, int group_size, int bits, bool transpose = false)
