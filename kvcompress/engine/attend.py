@@ -52,14 +52,14 @@ class _AttendMixin:
             return attend(self._states["disposition"], queries, keys, values, scale, own, sinks, sdpa)
         mass = self._mass_wanted(n)
         plain = n == 1 and own is None  # one query seeing every slot: no mask at all
-        if sinks is None and (mass or (plain and _grouped_decode_faster())) and (
-                self._rounds or self._rows.over_budget()):
+        if sinks is None and (mass or _grouped_attention_faster()) and (self._rounds or self._rows.over_budget()):
             # Once tokens leave: a compressing step (a chunk, or a decode step) whose scorer reads
-            # the mass gets it from the step's own softmax; a decode step on a CPU attends with the
+            # the mass gets it from the step's own softmax; on a CPU every step attends with the
             # grouped products anyway (they read each key once per GQA group, where MLX's CPU
-            # attention repeats the keys for every query head: ~1.7x the time at 2k slots, 3:1).
-            # Below budget the cache attends exactly as mlx-lm's KVCache does (its fused
-            # attention, in the cache's dtype).
+            # attention repeats the keys for every query head: ~1.7x the time of a decode step at
+            # 2k slots, 3:1; a prompt chunk's softmax runs in the CPU kernels: ~2.7x). Below
+            # budget the cache attends exactly as mlx-lm's KVCache does (its fused attention, in
+            # the cache's dtype).
             _, valid, _ = self._pending
             out, self._step_mass = ops.attention(
                 queries, keys, values, scale, None if plain else self._slots.pos, None if plain else self._qpos(n),
@@ -326,10 +326,11 @@ class _AttendMixin:
                 self.group.rebudget()
 
 
-def _grouped_decode_faster() -> bool:
-    """Whether a decode step is faster in :func:`kvcompress.ops.attention` than in MLX's fused
+def _grouped_attention_faster() -> bool:
+    """Whether a step is faster in :func:`kvcompress.ops.attention` than in MLX's fused
     attention: on the CPU, whose ``scaled_dot_product_attention`` repeats the keys over each GQA
-    group's query heads (GPU kernels read them once and beat these products)."""
+    group's query heads and takes a scalar ``exp`` (GPU kernels read the keys once, and beat
+    these products)."""
     return mx.default_device().type == mx.DeviceType.cpu
 
 
