@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 import attrs
 import mlx.core as mx
 
+from kvcompress._exp import _exp_nonpositive
 from kvcompress._lowbit import prepare as prepare_quantized_matmul  # re-exported: build it before timing
 from kvcompress._lowbit import quantized_matmul  # re-exported: the few-row low-bit product
-from kvcompress._exp import _exp_nonpositive
 from kvcompress._lowbit import row_softmax
 from kvcompress.storage import QuantizedSlots, for_step, keys_product, values_product
 
