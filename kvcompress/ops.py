@@ -96,7 +96,7 @@ def _softmax(x: mx.array) -> mx.array:
 def _exp_shifted(x: mx.array) -> mx.array:
     """``e^(x - max x)`` over the last axis of float32 ``x`` (unnormalised: a caller that sums
     in its own order), by the CPU kernels where :func:`_softmax` uses them."""
-    kernel = row_softmax() if mx.default_device() == mx.cpu else None
+    kernel = row_softmax()  # (None off the CPU)
     if kernel is not None:
         return kernel(x, normalize=False)
     z = x - x.max(axis=-1, keepdims=True)
