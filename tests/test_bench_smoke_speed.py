@@ -116,6 +116,33 @@ def test_interleave_rotates_order_and_times_every_stepper():
     assert calls[::2] == list("abc") + list("bca") + list("cab")
 
 
+@pytest.mark.parametrize("others", [1, 2, 5])
+def test_time_beside_pairs_every_block_with_the_reference_block_next_to_it(others):
+    """Each other runner's block is timed right before or after a block of the reference (both
+    sides over the rounds), and ``beside`` holds exactly that neighbour's time."""
+    names = [f"m{i}" for i in range(others)]
+    runners = {n: n for n in [*names[:1], "ref", *names[1:]]}
+    calls = []
+
+    def timer(name):
+        calls.append(name)
+        return float(len(calls))  # a block's time: its position in the sequence
+
+    times, beside = _harness.time_beside(runners, "ref", 4, timer, offset=1)
+    assert {n: len(times[n]) for n in names} == {n: 4 for n in names}
+    assert len(times["ref"]) == 4 * others == len(calls) // 2
+    sides = {n: set() for n in names}
+    for n in names:
+        for t, r in zip(times[n], beside[n]):
+            assert abs(t - r) == 1 and calls[int(r) - 1] == "ref"  # the neighbouring block
+            sides[n].add(r < t)
+    assert all(s == {True, False} for s in sides.values())
+    # no reference (or nothing beside it): the plain rotated round robin
+    calls.clear()
+    times, beside = _harness.time_beside({"a": "a", "b": "b"}, "ref", 2, timer)
+    assert calls == ["a", "b", "b", "a"] and beside == {"a": [], "b": []}
+
+
 def test_speed_settings_validation():
     with pytest.raises(ValueError, match="decode_block"):
         speed_mod.SpeedSettings(decode_block=1)

@@ -3,9 +3,10 @@
 * Steps: :func:`greedy_step` and :func:`prefill` (chunked, as ``mlx_lm.generate`` feeds a
   prompt), :func:`start_generation` / :func:`time_block` around mlx-lm's own ``generate_step``.
 * Schedules: :func:`round_robin` (blocks of work over several caches, the order rotated every
-  block, so bursts of load from other processes hit every cache alike) and :func:`interleave`
-  (times callables on that schedule); :class:`Runner` advances one cache through a prompt so
-  that several can move in lockstep.
+  block, so bursts of load from other processes hit every cache alike), :func:`interleave`
+  (times callables on that schedule) and :func:`time_beside` (each cache's block timed next to
+  a block of the reference, so a ratio compares blocks seconds apart however many caches run);
+  :class:`Runner` advances one cache through a prompt so that several can move in lockstep.
 * Statistics: :func:`paired` ratios of matched measurements and their :func:`median`.
 * Memory: :class:`Runner` folds each segment's ``mx.get_peak_memory()`` into the peak its cache
   would reach alone.
@@ -29,6 +30,7 @@ __all__ = [
     "rotate",
     "round_robin",
     "interleave",
+    "time_beside",
     "greedy_step",
     "sync_stepper",
     "prefill",
@@ -80,6 +82,30 @@ def interleave(steppers: dict, n_blocks: int, k: int) -> dict:
             steppers[name]()
         out[name].append((time.perf_counter() - t0) / k)
     return out
+
+
+def time_beside(runners: dict, ref: str, n_blocks: int, timer: Callable, offset: int = 0) -> tuple[dict, dict]:
+    """Time ``timer(runner)`` for ``n_blocks`` rounds over ``runners``, every other runner's block
+    next to a block of ``runners[ref]`` (the reference first on alternate rounds and neighbours,
+    the order rotated every round). Returns ``(times, beside)``: every block's seconds per runner
+    (the reference's included, one per block it ran) and, per other runner, the reference's block
+    timed next to each of its blocks -- the pair :func:`paired` compares. Without the reference,
+    or with nothing beside it, plain :func:`round_robin`."""
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    others = [k for k in runners if k != ref]
+    beside: dict[str, list[float]] = {k: [] for k in others}
+    if ref not in runners or not others:
+        for _, name in round_robin(list(runners), n_blocks, offset):
+            times[name].append(timer(runners[name]))
+        return times, beside
+    index = {k: j for j, k in enumerate(others)}
+    for b, name in round_robin(others, n_blocks, offset):
+        for k in ((ref, name) if (b + index[name]) % 2 == 0 else (name, ref)):
+            t = timer(runners[k])
+            times[k].append(t)
+            if k == ref:
+                beside[name].append(t)
+    return times, beside
 
 
 def greedy_step(model, cache: list, y: mx.array) -> mx.array:

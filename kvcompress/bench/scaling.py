@@ -14,13 +14,15 @@ see :mod:`kvcompress.bench._caches`) -- advances in lockstep through the context
    at ``n_i`` is the cumulative time, i.e. the time to the first token of an ``n_i``-token
    prompt with chunk boundaries at the same positions;
 2. *decode* ``decode_tokens`` greedy steps pipelined as ``mlx_lm.generate`` runs them (step
-   ``n + 1`` is built while step ``n`` computes), timed in blocks of ``decode_block`` steps
-   interleaved kind by kind, the order rotated every block, so load from other processes hits
-   every kind alike; then one block of ``sync_tokens`` synchronous steps (``mx.eval`` of each
-   token before the next step is built), which exposes the Python/graph-building cost of a
+   ``n + 1`` is built while step ``n`` computes), timed in blocks of ``decode_block`` steps,
+   each kind's block next to a block of ``rotating`` (before it and after it on alternate
+   rounds, the order of the kinds rotated every round: a ratio compares blocks seconds apart,
+   however many kinds run, so load from other processes hits both alike); then one block of
+   ``sync_tokens`` synchronous steps (``mx.eval`` of each token before the next step is built),
+   next to one of ``rotating``'s the same way, which exposes the Python/graph-building cost of a
    cache that pipelining hides. The decoded tokens stay in the context, so the context at
    checkpoint ``i`` is ``n_i + i + (i - 1) * (decode_tokens + sync_tokens)`` tokens (recorded as
-   ``tokens_seen``).
+   ``tokens_seen``; ``rotating``, timed beside every other kind, decodes that many per kind).
 
 With ``fill="synthetic"`` (``--fill synthetic``) step 1 feeds each layer's cache seeded random
 keys, values and queries through the cache protocol instead of the model (:mod:`._fill`): the
@@ -36,8 +38,9 @@ actually held), ``stored_tokens`` (layer 0) and ``peak_bytes``: the largest
 plus this kind's cache plus the transient buffers of its prefill chunks and decode steps
 (peak counter reset before each of the kind's segments; the other kinds' caches, idle during
 the segment, are subtracted). Ratios are paired against ``rotating`` of the same budget from the
-same pass: ``decode_ratio`` = rotating ms / kind ms per (checkpoint, block), median (higher is
-better; target >= 0.9), ``decode_ratio_sync`` the same for the synchronous blocks; ``prefill_ratio`` = kind s / rotating s per chunk segment summed to
+same pass: ``decode_ratio`` = rotating ms / kind ms per (checkpoint, block), the rotating block
+the one timed next to it, median (higher is better; target >= 0.9), ``decode_ratio_sync`` the
+same for the synchronous blocks; ``prefill_ratio`` = kind s / rotating s per chunk segment summed to
 the checkpoint (lower is better).
 """
 
@@ -51,7 +54,7 @@ import attrs
 
 from ._caches import QUANTIZED, cache_bytes, live_kv_bytes, make_cache, method_names, stored_tokens
 from ._fill import synthetic_fill
-from ._harness import Runner, median, paired, release, rotate, round_robin
+from ._harness import Runner, median, paired, release, rotate, time_beside
 from ._model import DTYPES, SHAPE_KEYS, ModelShape, model_and_shape, random_tokens
 from ._options import NameList, add_output_arguments, check_minimums, int_list, one_of, options_given, out_dir
 from ._report import caption as _caption
@@ -193,32 +196,27 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
                                               "error": f"{type(exc).__name__}: {exc}"})
                     say(f"budget {budget} {kind}: failed at {n} ({exc})")
                     del runners[kind]
-            times: dict[str, list[float]] = {k: [] for k in runners}
-            for _, kind in round_robin(list(runners), n_blocks, offset=ci):
-                times[kind].append(runners[kind].decode(s.decode_block))
-            sync: dict[str, float] = {}
-            if s.sync_tokens:
-                for kind in rotate(list(runners), ci + 1):
-                    sync[kind] = runners[kind].decode_sync(s.sync_tokens)
+            times, beside = time_beside(runners, "rotating", n_blocks, lambda r: r.decode(s.decode_block), ci)
+            sync, sync_beside = time_beside(runners, "rotating", 1, lambda r: r.decode_sync(s.sync_tokens),
+                                            ci + 1) if s.sync_tokens else ({}, {})
             for kind, r in runners.items():
                 payload["results"].append({
                     "kind": kind, "budget": None if kind in ("full", *QUANTIZED) else budget, "pass_budget": budget,
                     "context": n, "tokens_seen": r.pos + r.decoded,
                     "prefill_s": r.prefill_s, "decode_ms": 1e3 * median(times[kind]),
                     "decode_ms_blocks": [1e3 * t for t in times[kind]],
-                    "decode_ms_sync": 1e3 * sync[kind] if kind in sync else None,
+                    "decode_ms_sync": 1e3 * median(sync[kind]) if sync.get(kind) else None,
                     "cache_bytes": cache_bytes(r.cache), "live_bytes": live_kv_bytes(r.cache),
                     "stored_tokens": stored_tokens(r.cache[0]), "peak_bytes": r.peak,
                 })
-            rot = times.get("rotating")
             say(f"budget {budget} context {n}: " + ", ".join(
                 f"{k} {1e3 * median(v):.0f}ms" for k, v in times.items())
                 + f" ({time.perf_counter() - t_start:.0f}s)")
-            if rot:
-                for rec in payload["results"][-len(runners):]:
-                    rec["decode_ratio_blocks"] = paired(rec["decode_ms_blocks"], [1e3 * t for t in rot], invert=True)
-                    if rec["decode_ms_sync"]:
-                        rec["decode_ratio_sync"] = 1e3 * sync["rotating"] / rec["decode_ms_sync"]
+            for rec in payload["results"][-len(runners):]:
+                if beside.get(rec["kind"]):  # each block against the rotating block timed next to it
+                    rec["decode_ratio_blocks"] = paired(times[rec["kind"]], beside[rec["kind"]], invert=True)
+                if sync_beside.get(rec["kind"]):
+                    rec["decode_ratio_sync"] = median(paired(sync[rec["kind"]], sync_beside[rec["kind"]], invert=True))
         del runners
         release()
     if pbar is not None:
