@@ -17,6 +17,7 @@ from conftest import make_caches, tiny_llama
 from kvcompress import ConfigError
 from kvcompress.contexts import LayerInfo
 from kvcompress_adakv import AdaptiveSelector, head_best
+from test_lowbit import kernel  # noqa: F401  (the fixture: the built module, or a skip with the reason)
 
 D = 16
 
@@ -87,12 +88,20 @@ def test_heads_hold_different_counts_when_scores_say_so_within_the_layer_total()
     assert top in pos[0]  # the key head 0 attends most
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_bytes_held_never_exceed_uniform_budgets(kv_heads):
+def test_bytes_held_never_exceed_uniform_budgets(kv_heads, kernels, request, monkeypatch):
     """Same feed, same budget: ``adakv``'s slots (keys, values, positions, scores) hold no more
     bytes than ``snapkv``'s (uniform budgets over the same scores), measured from the arrays the
     caches hold; decode's column lists (one int32 per slot a head holds, plus a column per head
-    per token since the last eviction) and per-head counts come on top, and are counted."""
+    per token since the last eviction) and per-head counts come on top, and are counted (none
+    where the CPU kernels' owner softmax attends: it lists nothing)."""
+    from kvcompress.engine import heads
+
+    if kernels:
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setattr(heads, "owner_softmax", lambda: None)
     model = tiny_llama(n_layers=2, hidden=64, heads=4, kv_heads=kv_heads, seed=kv_heads)
     tokens = mx.array(np.random.default_rng(1).integers(1, 97, (2, 90)), dtype=mx.int32)
     held, extra, caches = {}, {}, {}
@@ -111,7 +120,10 @@ def test_bytes_held_never_exceed_uniform_budgets(kv_heads):
     for c, x in zip(caches["adakv"], extra["adakv"]):  # [B, R, g, W] int32 lists + [B, R, g] counts
         rows, g = 2 * (kv_heads // c.heads_per_row), c.heads_per_row
         step = c.method.selector.evict_count(1, c.budget)
-        assert (0 < x <= 4 * rows * g * (g * c.budget + step + 1)) if g > 1 else x == 0
+        if kernels or g == 1:
+            assert x == 0
+        else:
+            assert 0 < x <= 4 * rows * g * (g * c.budget + step + 1)
 
 
 def test_one_head_per_row_is_snapkv():

@@ -1,7 +1,7 @@
 """The CPU kernels' float32 row softmax (``kvcompress._lowbit.row_softmax``), which every
 attention of a compressed cache takes on the CPU: the softmax itself against a float64
-reference (edge rows included), the unnormalised form head-group rows use, and the paths that
-take it. Skips with the reason where the kernels cannot be built (as ``test_lowbit``)."""
+reference (edge rows included), the unnormalised form, the per-head softmax over a head-group
+row (``owner_softmax``), and the paths that take them. Skips with the reason where the kernels cannot be built (as ``test_lowbit``)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,54 @@ def test_without_the_kernels_mlx_softmax_serves(monkeypatch):
     x = mx.array(np.random.default_rng(2).normal(size=(4, 900, 300)).astype(np.float32))
     assert mx.allclose(ops._softmax(x), mx.softmax(x, axis=-1), atol=1e-6).item()
     assert mx.allclose(ops._exp_shifted(x), mx.exp(x - x.max(axis=-1, keepdims=True)), atol=1e-6).item()
+
+
+def _owner_reference(x: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """Float64 softmax of ``x [P, g, rep, T]`` per head over the columns ``heads [P, T]`` gives it."""
+    own = heads[:, None, None, :] == np.arange(x.shape[1])[None, :, None, None]
+    z = np.where(own, x.astype(np.float64), -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 70), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_owner_softmax_is_each_heads_softmax_over_its_own_columns(kernel, planes, g, rep, t, seed, packed):
+    """Any head-group row: each query head's weights are the float64 softmax over the columns
+    its KV head owns (read plainly, or from packed positions ``head << 24 | position``; empty
+    slots, -1, nobody's), exactly 0 on every other column; a head owning no column gets NaN
+    (0 / 0, as a softmax of nothing)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(planes, g, rep, t)) * 10).astype(np.float32)
+    heads = rng.integers(-1, g, size=(planes, t)).astype(np.int32)
+    v = np.where(heads >= 0, (heads << 24) | rng.integers(0, 1 << 24, size=heads.shape), -1) if packed else heads
+    got = np.array(_lowbit.owner_softmax()(mx.array(x), mx.array(v.astype(np.int32)), shift=24 if packed else 0))
+    want = _owner_reference(x, heads)
+    assert got.shape == x.shape
+    own = heads[:, None, None, :] == np.arange(g)[None, :, None, None]
+    has = np.broadcast_to(own.any(axis=-1, keepdims=True), x.shape)
+    assert np.all(np.isnan(got[~has])) and not np.isnan(got[has]).any()
+    assert np.all(got[has & ~np.broadcast_to(own, x.shape)] == 0.0)
+    assert np.all(np.abs(got[has] - want[has]) <= want[has] * 2.4e-7 * 60 + 1e-12)
+
+
+def test_owner_softmax_at_decode_size_strided_and_threaded(kernel):
+    """AdaKV's decode shape (3 heads of 3 query heads over a 6k-slot row) and one large enough
+    to split over threads; a transposed input is read in its logical order; a NaN logit of a
+    head makes that head's rows NaN and no other's."""
+    rng = np.random.default_rng(9)
+    for shape in [(1, 3, 3, 6144), (4, 4, 8, 4100)]:
+        x = (rng.normal(size=shape) * 6).astype(np.float32)
+        heads = rng.integers(-1, shape[1], size=(shape[0], shape[-1])).astype(np.int32)
+        got = np.array(_lowbit.owner_softmax()(mx.array(x), mx.array(heads)))
+        assert np.allclose(got, _owner_reference(x, heads), rtol=2e-5, atol=1e-9)
+        assert np.allclose(got.sum(axis=-1), 1.0, atol=2e-5)
+    x = (rng.normal(size=(1, 2, 5, 12)) * 3).astype(np.float32)
+    xt = mx.array(np.ascontiguousarray(x.transpose(0, 1, 3, 2))).swapaxes(-1, -2)  # strided view of x
+    heads = np.array([[0, 1] * 6], np.int32)
+    assert np.allclose(np.array(_lowbit.owner_softmax()(xt, mx.array(heads))), _owner_reference(x, heads), rtol=2e-6)
+    x[0, 1, 0, 3] = np.nan  # column 3 is head 1's
+    got = np.array(_lowbit.owner_softmax()(mx.array(x), mx.array(heads)))
+    assert np.isnan(got[0, 1, 0]).all() and not np.isnan(np.delete(got.reshape(10, 12), 5, axis=0)).any()

@@ -1,9 +1,12 @@
 """Attention over head-group rows (AdaKV's storage: several KV heads' slots share a row, each
 slot tagged with its head). After an eviction a chunk attends each KV head's own slots gathered
 out of the row, and a decode step takes each query head's softmax over its own KV head's column
-list only. Both must see exactly what the owner-masked attention over the whole row sees
+list only -- or, where kvcompress's CPU kernels run, each query head's softmax over the slots
+its KV head owns in one kernel (:func:`kvcompress.engine.heads.attend_owned`, no lists). Each
+must see exactly what the owner-masked attention over the whole row sees
 (:func:`kvcompress.ops.attention` with ``owner``): the same outputs and the same attention mass
-(sums in another order: a tolerance), so the same scores and evictions."""
+(sums in another order: a tolerance), so the same scores and evictions. The column lists' own
+tests run with the kernels' path switched off (``columns``)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,28 @@ from mlx_lm.models import base
 
 import kvcompress
 from kvcompress import CompressedKVCache, ops
+from test_lowbit import kernel  # noqa: F401  (the fixture: the built module, or a skip with the reason)
+from kvcompress.engine import heads
 from kvcompress.engine.heads import PAD
 
 D = 16
+
+
+@pytest.fixture
+def columns(monkeypatch):
+    """Decode over head-group rows by the column lists (the path where the CPU kernels do not run)."""
+    monkeypatch.setattr(heads, "owner_softmax", lambda: None)
+
+
+@pytest.fixture(params=["columns", "kernel"])
+def decode_path(request, monkeypatch):
+    """Both decode paths: the column lists, and the CPU kernels' owner softmax (skipped with the
+    reason where they cannot be built)."""
+    if request.param == "columns":
+        monkeypatch.setattr(heads, "owner_softmax", lambda: None)
+    else:
+        request.getfixturevalue("kernel")
+    return request.param
 
 
 def _step(c, rng, n, kv_heads, rep, batch):
@@ -40,9 +62,10 @@ def _step(c, rng, n, kv_heads, rep, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("kv_heads,rep", [(2, 2), (3, 3), (4, 1)])
 @pytest.mark.parametrize("step", [1, 8])
-def test_steps_attend_each_heads_own_slots_as_the_owner_mask_does(scorer, batch, kv_heads, rep, step):
+def test_steps_attend_each_heads_own_slots_as_the_owner_mask_does(scorer, batch, kv_heads, rep, step, decode_path):
     """Chunks (each head's slots gathered) and decode steps (each head's columns, rebuilt after
-    an eviction, extended by a column per token in between when ``step`` > heads per row)."""
+    an eviction, extended by a column per token in between when ``step`` > heads per row; or the
+    kernels' owner softmax)."""
     method = kvcompress.build_method(scorer=scorer, selector={"name": "adaptive", "recent": 2, "step": step},
                                      disposition="drop", budget={"name": "uniform", "budget": 16})
     c = CompressedKVCache(method, 16)
@@ -57,7 +80,7 @@ def test_steps_attend_each_heads_own_slots_as_the_owner_mask_does(scorer, batch,
 
 @pytest.mark.parametrize("step", [1, 5, 16])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_decode_columns_list_each_heads_slots_exactly_once(step, batch):
+def test_decode_columns_list_each_heads_slots_exactly_once(step, batch, columns):
     """After every decode step the column lists describe the row as it stands: head ``h``'s
     columns are exactly the slots it owns, each once, and the host bound covers the most any
     head holds."""
@@ -80,7 +103,7 @@ def test_decode_columns_list_each_heads_slots_exactly_once(step, batch):
     assert caches[0].evictions > 1
 
 
-def test_decode_reads_on_the_host_only_counts_taken_at_an_earlier_step():
+def test_decode_reads_on_the_host_only_counts_taken_at_an_earlier_step(columns):
     """The column lists' width is read on the host when they are rebuilt (after an eviction):
     from the counts an earlier step took (already evaluated with that step), so a decode step
     never waits on the one in flight. Every host read a decode step makes is of such an array."""
@@ -138,3 +161,37 @@ def test_tokens_after_an_eviction_take_the_first_empty_slots_in_turn(batch):
             empty_before = np.union1d(np.flatnonzero(after[b, r] < 0), taken[b, r])
             assert taken[b, r].tolist() == empty_before[: sl.g].tolist(), i
     assert listed > 10 and filled > 10 and c.evictions > 3
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kernel_decode_reads_nothing_on_the_host_and_lists_nothing(kernel, batch):
+    """With the CPU kernels a decode step over head-group rows builds no column lists (nothing
+    derived from the layout is held) and reads nothing on the host, eviction steps included,
+    and its output is the column path's on the same cache (copies, so both see one layout)."""
+    import copy
+    from unittest import mock
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(n_layers=2, hidden=64, heads=8, kv_heads=4, seed=5)
+    tokens = mx.array(np.random.default_rng(5 + batch).integers(1, 97, (batch, 100)), dtype=mx.int32)
+    caches = kvcompress.make_prompt_cache(model, "adakv", budget=24, recent=2, step=8)
+    mx.eval(model(tokens[:, :40], cache=caches))
+    reads, item = [], mx.array.item
+
+    def spy(a):
+        reads.append(a)
+        return item(a)
+
+    for i in range(40, 100):
+        if i % 15 == 0:  # the same step both ways, on copies of the cache
+            got = model(tokens[:, i : i + 1], cache=copy.deepcopy(caches))
+            with mock.patch.object(heads, "owner_softmax", lambda: None):
+                want = model(tokens[:, i : i + 1], cache=copy.deepcopy(caches))
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+        with mock.patch.object(mx.array, "item", spy):
+            out = model(tokens[:, i : i + 1], cache=caches)
+        assert reads == [], i
+        mx.eval(out)
+        assert all(c.parts.slots.extra_nbytes() == 0 for c in caches)
+    assert caches[0].evictions > 3

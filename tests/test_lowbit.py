@@ -248,6 +248,12 @@ class _FakeKernel:
         return mx.softmax(x, axis=-1) if normalize else mx.exp(x - x.max(axis=-1, keepdims=True))
 
     @staticmethod
+    def owner_softmax(x, v, *, shift=0, stream=None):
+        heads = mx.where(v >= 0, v >> shift, -1)[..., None, None, :]
+        own = heads == mx.arange(x.shape[-3]).reshape(-1, 1, 1)
+        return mx.softmax(mx.where(own, x, -mx.inf), axis=-1)
+
+    @staticmethod
     def has_avx2():
         return False
 

@@ -7,6 +7,9 @@ the CPU's threads. MLX's CPU ``exp`` is scalar (~12 ns an element): on this kind
 softmax, not the products, was most of a long prompt chunk's attention (a 768 x 2560 block of
 logits per KV head: 73 ms in ``mx.softmax``, 12 ms here). :func:`kvcompress.ops.attention` uses
 it for every float32 softmax on the CPU, decode steps and prompt chunks alike.
+:func:`owner_softmax` is its masked form for head-group rows (AdaKV's storage): each query head's
+softmax over its own KV head's slots of the row, the owner read from the slots' packed positions,
+in one pass instead of a gather, a softmax and a scatter.
 
 **Low-bit matmul**: ``x @ dequantize(w)`` (or ``x @ dequantize(w).T``) for packed affine codes.
 
@@ -36,7 +39,7 @@ import numpy as np
 
 from . import _build
 
-__all__ = ["prepare", "quantized_matmul", "row_softmax", "status"]
+__all__ = ["owner_softmax", "prepare", "quantized_matmul", "row_softmax", "status"]
 
 _lock = threading.Lock()
 _resolved: dict = {}  # once per process: {"module": module or None, "reason": str or None}
@@ -77,9 +80,14 @@ def _probe(module) -> None:
     want = mx.quantized_matmul(x, q, s, b, transpose=False, group_size=32, bits=2)
     want_t = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=2)
     logits = mx.array(rng.normal(size=(3, 37)).astype(np.float32) * 8)
+    heads = mx.array(rng.integers(-1, 2, size=(2, 37)).astype(np.int32))  # 2 heads, -1 empty
+    own = heads[:, None, None, :] == mx.arange(2).reshape(1, 2, 1, 1)
+    grouped = mx.array(rng.normal(size=(2, 2, 3, 37)).astype(np.float32) * 8)
     try:
         soft = bool(mx.allclose(module.softmax(logits, stream=mx.cpu), mx.softmax(logits, axis=-1),
-                                rtol=1e-5, atol=1e-7).item())
+                                rtol=1e-5, atol=1e-7).item()) and bool(mx.allclose(
+            module.owner_softmax(grouped, heads, stream=mx.cpu),
+            mx.softmax(mx.where(own, grouped, -mx.inf), axis=-1), rtol=1e-5, atol=1e-7).item())
         got = module.qmm(x, q, s, b, group_size=32, bits=2, stream=mx.cpu)
         got_t = module.qmm(x, q, s, b, group_size=32, bits=2, transpose=True, stream=mx.cpu)
         ok = bool(mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()) and bool(
@@ -111,6 +119,17 @@ def row_softmax():
         return None
     module = _kernel()
     return None if module is None else module.softmax
+
+
+def owner_softmax():
+    """The kernels' per-head softmax over a head-group row, ``f(x, v, shift=...)`` (``x`` float32
+    ``[..., g, rep, T]``, ``v`` int32 ``[..., T]``; row ``(.., h, i)`` the softmax over the columns
+    whose ``v >> shift`` is ``h``, ``v < 0`` none, 0 elsewhere), or None where they are not used
+    (as :func:`row_softmax`)."""
+    if mx.default_device() != mx.cpu:
+        return None
+    module = _kernel()
+    return None if module is None else module.owner_softmax
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,

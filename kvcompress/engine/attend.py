@@ -13,7 +13,8 @@ from .. import _state, ops
 from ..contexts import Observation
 from ..errors import KVCompressError
 from ..storage import QuantizedSlots, as_float
-from .heads import PAD, attend_columns, head_columns
+from .heads import PAD, attend_columns, attend_owned, head_columns
+from .slots import OWNER_SHIFT
 
 #: steps of at most this many tokens keep their queries so that ``trim`` can undo them exactly
 UNDO_TOKENS = 16
@@ -132,8 +133,11 @@ class _AttendMixin:
     def _attend_columns(self, queries, keys, values, scale):
         """A decode step over head-group rows: each query head's softmax over its own KV head's
         slots only (heads.py), the weights put back on the row for the values and the mass."""
-        out, self._step_mass = attend_columns(queries, keys, values, scale, head_columns(self._slots),
-                                              self._mass_wanted(1))
+        slots = self._slots
+        owned = attend_owned(queries, keys, values, scale, slots.pos, OWNER_SHIFT, slots.g, self._mass_wanted(1))
+        if owned is None:
+            owned = attend_columns(queries, keys, values, scale, head_columns(slots), self._mass_wanted(1))
+        out, self._step_mass = owned
         return out
 
     def _mass_wanted(self, n: int) -> bool:

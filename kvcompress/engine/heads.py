@@ -11,6 +11,10 @@ is most of a decode step's attention). Instead each head's slots are listed once
   matrix product per row as before), gathers each query head's own columns, takes the softmax
   over those ``W`` alone and puts the weights back on the row's slots, zero elsewhere, for the
   value product and the mass: exactly the masked row's visible set, ``1 / g`` of its softmax;
+* on the CPU, where kvcompress's kernels are built, :func:`attend_owned` skips the lists: one
+  kernel takes each query head's softmax over its own slots of the row, reading the owner from
+  the slots' packed positions (a gather, a softmax and a scatter in one pass, the same
+  ``1 / g``);
 * the list is rebuilt after an eviction (or any other change of the row's layout) and extended
   by one column per decode token (the ``g`` slots the token was written to, which
   :attr:`Slots.appended` names). ``W`` must be read
@@ -23,9 +27,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .._lowbit import owner_softmax
 from ..ops import NEG, _exp_shifted, _f32
 
-__all__ = ["HeadColumns", "PAD", "attend_columns", "head_columns"]
+__all__ = ["HeadColumns", "PAD", "attend_columns", "attend_owned", "head_columns"]
 
 #: a column no head holds: negative indices wrap, so it reads (and writes) one column past the
 #: row, which :func:`attend_columns` appends to the products (a logit of ``NEG``) and drops
@@ -86,3 +91,22 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     full = full / full.sum(axis=-1, keepdims=True)
     out = (full @ _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
     return out, (full.mean(axis=2) * g if mass else None)
+
+
+def attend_owned(queries, keys, values, scale: float, pos: mx.array, shift: int, g: int, mass: bool):
+    """:func:`attend_columns` without the lists, where the CPU kernels run (else None): the
+    products over the row, then each query head's softmax over the slots whose packed position
+    ``pos`` ``[B, R, T]`` names its KV head (``pos >> shift``;
+    :func:`kvcompress._lowbit.owner_softmax`: the max and the sum over those slots, in slot
+    order, 0 elsewhere), then the value product. The result depends on the row's layout only,
+    as the columns' does."""
+    kernel = owner_softmax()
+    if kernel is None:
+        return None
+    b, h_q, _, d = queries.shape
+    r, t = keys.shape[1], keys.shape[2]
+    q = _f32(queries.reshape(b, r, h_q // r, d)) * scale
+    logits = (q @ _f32(keys).swapaxes(-1, -2)).reshape(b, r, g, h_q // r // g, t)
+    w = kernel(logits, pos, shift=shift).reshape(b, r, h_q // r, t)
+    out = (w @ _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
+    return out, (w.mean(axis=2) * g if mass else None)

@@ -29,4 +29,9 @@ namespace avx2 { void run(const Args& a); }
 namespace base { void softmax_rows(const float* x, float* out, int64_t rows, int64_t n, bool normalize); }
 namespace avx2 { void softmax_rows(const float* x, float* out, int64_t rows, int64_t n, bool normalize); }
 
+// rows r0 .. r1 - 1 of x [P, g, rep, n]: row (p, h, i) = the softmax over the columns j with
+// head(v[p, j]) == h, 0 elsewhere (head(v) = v >> shift for v >= 0; v < 0: no head's)
+namespace base { void owner_softmax_rows(const float* x, const int32_t* v, float* out, int64_t r0, int64_t r1, int64_t g, int64_t rep, int64_t n, int shift); }
+namespace avx2 { void owner_softmax_rows(const float* x, const int32_t* v, float* out, int64_t r0, int64_t r1, int64_t g, int64_t rep, int64_t n, int shift); }
+
 }  // namespace lowbit

@@ -202,4 +202,68 @@ void RowSoftmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("[softmax_last] no GPU implementation");
 }
 
+static mx::array heads_of(const mx::array& v, int shift, mx::Stream s) {
+  auto h = mx::right_shift(v, mx::array(shift, mx::int32), s);
+  return mx::where(mx::greater_equal(v, mx::array(0, mx::int32), s), h, mx::array(-1, mx::int32), s);
+}
+
+mx::array owner_softmax(const mx::array& x, const mx::array& v, int shift, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  auto fail = [](const std::string& m) { throw std::invalid_argument("[owner_softmax] " + m); };
+  if (x.ndim() < 3) fail("x must be [..., g, rep, T]");
+  if (v.ndim() != x.ndim() - 2 || !std::equal(v.shape().begin(), v.shape().end() - 1, x.shape().begin()) ||
+      v.shape(-1) != x.shape(-1))
+    fail("v must be [..., T] with x's leading dims and T");
+  if (v.dtype() != mx::int32) fail("v must be int32");
+  if (shift < 0 || shift > 30) fail("shift must be in 0 .. 30");
+  if (stream.device != mx::Device::cpu || x.dtype() != mx::float32) {
+    int g = x.shape(-3);
+    auto sh = v.shape();
+    sh.insert(sh.end() - 1, {1, 1});
+    auto h = mx::reshape(heads_of(v, shift, stream), sh, stream);  // [..., 1, 1, T]
+    auto own = mx::equal(h, mx::reshape(mx::arange(g, mx::int32, stream), {g, 1, 1}, stream), stream);
+    auto xm = mx::where(own, x, mx::array(-INFINITY, x.dtype()), stream);
+    return mx::softmax(xm, std::vector<int>{-1}, true, stream);
+  }
+  auto xc = mx::contiguous(x, false, stream);
+  auto vc = mx::contiguous(v, false, stream);
+  return mx::array(xc.shape(), mx::float32, std::make_shared<OwnerSoftmax>(stream, shift), {xc, vc});
+}
+
+void OwnerSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  auto& v = inputs[1];
+  if (x.is_donatable() && x.flags().row_contiguous && x.nbytes() == out.nbytes()) out.copy_shared_buffer(x);
+  else out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(x);
+  enc.set_input_array(v);
+  enc.set_output_array(out);
+  int64_t n = x.shape(-1), g = x.shape(-3), rep = x.shape(-2);
+  if (out.size() == 0 || n == 0) return;
+  int64_t rows = x.size() / n;
+  const float* xp = x.data<float>();
+  const int32_t* vp = v.data<int32_t>();
+  float* op = out.data<float>();
+  int shift = shift_;
+  enc.dispatch([xp, vp, op, rows, n, g, rep, shift]() {
+    auto run = [&](int64_t r0, int64_t r1) {
+      if (has_avx2()) avx2::owner_softmax_rows(xp, vp, op, r0, r1, g, rep, n, shift);
+      else base::owner_softmax_rows(xp, vp, op, r0, r1, g, rep, n, shift);
+    };
+    int64_t parts = 1;
+    if (rows * n >= SOFTMAX_THREADS_FROM)
+      parts = std::min<int64_t>({rows, (int64_t)std::max(1u, std::thread::hardware_concurrency()), 8});
+    if (parts <= 1) return run(0, rows);
+    std::vector<std::thread> workers;
+    for (int64_t p = 1; p < parts; p++) workers.emplace_back(run, rows * p / parts, rows * (p + 1) / parts);
+    run(0, rows / parts);
+    for (auto& w : workers) w.join();
+  });
+}
+
+void OwnerSoftmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[owner_softmax] no GPU implementation");
+}
+
 }  // namespace lowbit

@@ -34,6 +34,27 @@ class RowSoftmax : public mx::UnaryPrimitive {
   bool normalize_;
 };
 
+// The softmax of each query head over its own KV head's slots of a head-group row: x float32
+// [..., g, rep, T] (the row's g KV heads, rep query heads each), v int32 [..., T] (the leading
+// dims as x's); row (.., h, i) = softmax over the columns j with head(v[.., j]) == h, 0 elsewhere,
+// head(v) = v >> shift for v >= 0 (v < 0: an empty slot, no head's).
+mx::array owner_softmax(const mx::array& x, const mx::array& v, int shift = 0, mx::StreamOrDevice s = {});
+
+class OwnerSoftmax : public mx::UnaryPrimitive {
+ public:
+  OwnerSoftmax(mx::Stream stream, int shift) : mx::UnaryPrimitive(stream), shift_(shift) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "OwnerSoftmax"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return shift_ == static_cast<const OwnerSoftmax&>(other).shift_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int shift_;
+};
+
 class LowbitQmm : public mx::UnaryPrimitive {
  public:
   LowbitQmm(mx::Stream stream, int group_size, int bits, bool transpose = false)
