@@ -100,17 +100,25 @@ def test_scaling_settings_reject_bad_input():
 
 def test_scaling_runs_a_real_model(stories_model):
     """``--model``: the same protocol on an mlx-lm model from disk (the issue's 8k run on
-    SmolLM2), its shape read from the model and its vocabulary used for the prompt."""
+    SmolLM2), its shape read from the model and its vocabulary used for the prompt; a method whose
+    defaults name token ids (``selfinfo``'s digit floor) gets the model's tokenizer, as a user's
+    cache does, so it runs at its defaults without a warning."""
+    import warnings
+
     from conftest import models_dir
 
     from kvcompress.bench import scaling
 
-    s = scaling.ScalingSettings(**{**TINY_SCALING, "model": str(models_dir() / "stories260K"), "methods": ("snapkv",)})
-    payload = scaling.run_scaling(s)
+    s = scaling.ScalingSettings(**{**TINY_SCALING, "model": str(models_dir() / "stories260K"),
+                                   "methods": ("snapkv", "selfinfo")})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = scaling.run_scaling(s)
+    assert not [w for w in caught if "tokenizer" in str(w.message)]
     assert payload["errors"] == []
     assert payload["model_shape"] == {"n_layers": 5, "hidden": 64, "n_heads": 8, "n_kv_heads": 4, "head_dim": 8,
                                       "vocab": 512}
-    assert {r["kind"] for r in payload["results"]} == {"snapkv", "rotating", "full"}
+    assert {r["kind"] for r in payload["results"]} == {"snapkv", "selfinfo", "rotating", "full"}
     assert "stories260K" in scaling.caption(payload) and "intermediate" not in scaling.caption(payload)
 
 

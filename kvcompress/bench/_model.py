@@ -87,14 +87,14 @@ def random_tokens(s: ModelShape, n: int, stream: int = 1) -> mx.array:
 
 
 def model_and_shape(s: ModelShape, model: Optional[str] = None):
-    """``(model, shape)``: the random Llama of the settings, or the mlx-lm ``model`` loaded
-    (dequantized) with the shape read from its arguments (random ids are drawn from its
-    vocabulary)."""
+    """``(model, shape, tokenizer)``: the random Llama of the settings (no tokenizer), or the
+    mlx-lm ``model`` loaded (dequantized) with its tokenizer and the shape read from its
+    arguments (random ids are drawn from its vocabulary)."""
     if not model:
-        return build_model(s), s
+        return build_model(s), s, None
     from .longctx import load_chat_model
 
-    loaded, _ = load_chat_model(model)
+    loaded, tokenizer = load_chat_model(model)
     a = loaded.args
     heads = a.num_attention_heads
     shape = attrs.evolve(
@@ -102,4 +102,4 @@ def model_and_shape(s: ModelShape, model: Optional[str] = None):
         n_kv_heads=getattr(a, "num_key_value_heads", None) or heads,
         head_dim=getattr(a, "head_dim", None) or a.hidden_size // heads, vocab=a.vocab_size,
     )
-    return loaded, shape
+    return loaded, shape, tokenizer

@@ -138,7 +138,7 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
     quantized = [m for m in methods if m in QUANTIZED]
     methods = [m for m in methods if m not in QUANTIZED]
     t_start = time.perf_counter()
-    model, shape = model_and_shape(s, s.model)
+    model, shape, tokenizer = model_and_shape(s, s.model)  # (a method's token ids resolve with the model's)
     install(model)
     weights = int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
     prompt = random_tokens(shape, s.contexts[-1])
@@ -161,7 +161,8 @@ def run_scaling(settings: Optional[ScalingSettings] = None, *, progress: Optiona
         kinds = [*methods, "rotating"] + (["full", *quantized] if budget == s.full_pass else [])
 
         def runner(kind):
-            return Runner(kind, model, make_cache(model, kind, budget, keep=s.keep), prompt, decode_ids, weights, fill)
+            return Runner(kind, model, make_cache(model, kind, budget, keep=s.keep, tokenizer=tokenizer), prompt,
+                          decode_ids, weights, fill)
 
         if s.warmup:
             for kind in kinds:
