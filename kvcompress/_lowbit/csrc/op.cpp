@@ -167,12 +167,30 @@ mx::array softmax_last(const mx::array& x, bool normalize, mx::StreamOrDevice s)
 //: elements from which the rows are split over threads (below, one thread: no start-up cost)
 constexpr int64_t SOFTMAX_THREADS_FROM = 1 << 17;
 
-void RowSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& x = inputs[0];
-  // rows are read before they are written (max, then e^(x - max) in place): the logits' buffer
-  // serves as the output when nothing else holds it, so a chunk's softmax allocates nothing
+// run(r0, r1) over `rows` rows of `n` elements: on this thread, or split over up to 8 threads
+// for large inputs
+template <class Run>
+static void split_rows(int64_t rows, int64_t n, const Run& run) {
+  int64_t parts = 1;
+  if (rows * n >= SOFTMAX_THREADS_FROM)
+    parts = std::min<int64_t>({rows, (int64_t)std::max(1u, std::thread::hardware_concurrency()), 8});
+  if (parts <= 1) return run(0, rows);
+  std::vector<std::thread> workers;
+  for (int64_t p = 1; p < parts; p++) workers.emplace_back(run, rows * p / parts, rows * (p + 1) / parts);
+  run(0, rows / parts);
+  for (auto& w : workers) w.join();
+}
+
+// rows are read before they are written (max, then e^(x - max) in place): the logits' buffer
+// serves as the output when nothing else holds it, so a softmax allocates nothing
+static void reuse_or_allocate(const mx::array& x, mx::array& out) {
   if (x.is_donatable() && x.flags().row_contiguous && x.nbytes() == out.nbytes()) out.copy_shared_buffer(x);
   else out.set_data(mx::allocator::malloc(out.nbytes()));
+}
+
+void RowSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  reuse_or_allocate(x, out);
   auto& enc = mx::cpu::get_command_encoder(stream());
   enc.set_input_array(x);
   enc.set_output_array(out);
@@ -187,14 +205,7 @@ void RowSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       if (has_avx2()) avx2::softmax_rows(xp + r0 * n, op + r0 * n, r1 - r0, n, norm);
       else base::softmax_rows(xp + r0 * n, op + r0 * n, r1 - r0, n, norm);
     };
-    int64_t parts = 1;
-    if (rows * n >= SOFTMAX_THREADS_FROM)
-      parts = std::min<int64_t>({rows, (int64_t)std::max(1u, std::thread::hardware_concurrency()), 8});
-    if (parts <= 1) return run(0, rows);
-    std::vector<std::thread> workers;
-    for (int64_t p = 1; p < parts; p++) workers.emplace_back(run, rows * p / parts, rows * (p + 1) / parts);
-    run(0, rows / parts);
-    for (auto& w : workers) w.join();
+    split_rows(rows, n, run);
   });
 }
 
@@ -233,8 +244,7 @@ mx::array owner_softmax(const mx::array& x, const mx::array& v, int shift, mx::S
 void OwnerSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& x = inputs[0];
   auto& v = inputs[1];
-  if (x.is_donatable() && x.flags().row_contiguous && x.nbytes() == out.nbytes()) out.copy_shared_buffer(x);
-  else out.set_data(mx::allocator::malloc(out.nbytes()));
+  reuse_or_allocate(x, out);
   auto& enc = mx::cpu::get_command_encoder(stream());
   enc.set_input_array(x);
   enc.set_input_array(v);
@@ -251,14 +261,7 @@ void OwnerSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       if (has_avx2()) avx2::owner_softmax_rows(xp, vp, op, r0, r1, g, rep, n, shift);
       else base::owner_softmax_rows(xp, vp, op, r0, r1, g, rep, n, shift);
     };
-    int64_t parts = 1;
-    if (rows * n >= SOFTMAX_THREADS_FROM)
-      parts = std::min<int64_t>({rows, (int64_t)std::max(1u, std::thread::hardware_concurrency()), 8});
-    if (parts <= 1) return run(0, rows);
-    std::vector<std::thread> workers;
-    for (int64_t p = 1; p < parts; p++) workers.emplace_back(run, rows * p / parts, rows * (p + 1) / parts);
-    run(0, rows / parts);
-    for (auto& w : workers) w.join();
+    split_rows(rows, n, run);
   });
 }
 
