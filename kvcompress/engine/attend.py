@@ -132,7 +132,8 @@ class _AttendMixin:
 
     def _attend_columns(self, queries, keys, values, scale):
         """A decode step over head-group rows: each query head's softmax over its own KV head's
-        slots only (heads.py), the weights put back on the row for the values and the mass."""
+        slots only (heads.py: the CPU kernels' owner softmax over the row, else the column lists,
+        the weights put back on the row), for the values and the mass."""
         slots = self._slots
         owned = attend_owned(queries, keys, values, scale, slots.pos, OWNER_SHIFT, slots.g, self._mass_wanted(1))
         if owned is None:

@@ -75,12 +75,11 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     ``e = exp(x - max x)`` is taken over the columns, but summed on the row (slot order), so
     the result depends on the row's layout only, never on the lists' order or padding: a saved
     and loaded cache, whose lists are rebuilt, continues bit for bit."""
-    b, h_q, _, d = queries.shape
+    b, h_q = queries.shape[:2]
     r, t = keys.shape[1], keys.shape[2]
     g = dest.shape[2]
     rep = h_q // r // g  # query heads per KV head
-    q = _f32(queries.reshape(b, r, h_q // r, d)) * scale
-    logits = q @ _f32(keys).swapaxes(-1, -2)  # [B, R, G, T]
+    logits = _row_logits(queries, keys, scale)
     # one more column (PAD's) of NEG; [B, R, g, rep, T + 1]: each KV head's query heads together
     logits = mx.pad(logits.reshape(b, r, g, rep, t), [(0, 0)] * 4 + [(0, 1)], constant_values=NEG)
     at = dest[:, :, :, None, :]  # each query head's KV head's columns
@@ -88,9 +87,7 @@ def attend_columns(queries, keys, values, scale: float, dest: mx.array, mass: bo
     e = _exp_shifted(x)  # as ops' softmax (0 on padding)
     # onto the row's slots, zero elsewhere (padding onto the extra column, dropped)
     full = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), at, e, axis=-1).reshape(b, r, h_q // r, t + 1)[..., :t]
-    full = full / full.sum(axis=-1, keepdims=True)
-    out = (full @ _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
-    return out, (full.mean(axis=2) * g if mass else None)
+    return _weighted(full / full.sum(axis=-1, keepdims=True), queries, values, g, mass)
 
 
 def attend_owned(queries, keys, values, scale: float, pos: mx.array, shift: int, g: int, mass: bool):
@@ -103,10 +100,20 @@ def attend_owned(queries, keys, values, scale: float, pos: mx.array, shift: int,
     kernel = owner_softmax()
     if kernel is None:
         return None
+    logits = _row_logits(queries, keys, scale)
+    b, r, hr, t = logits.shape
+    w = kernel(logits.reshape(b, r, g, hr // g, t), pos, shift=shift).reshape(b, r, hr, t)
+    return _weighted(w, queries, values, g, mass)
+
+
+def _row_logits(queries, keys, scale: float) -> mx.array:
+    """``[B, R, G, T]`` float32: each row's query heads (one query each) against all its slots."""
     b, h_q, _, d = queries.shape
-    r, t = keys.shape[1], keys.shape[2]
-    q = _f32(queries.reshape(b, r, h_q // r, d)) * scale
-    logits = (q @ _f32(keys).swapaxes(-1, -2)).reshape(b, r, g, h_q // r // g, t)
-    w = kernel(logits, pos, shift=shift).reshape(b, r, h_q // r, t)
-    out = (w @ _f32(values)).reshape(b, h_q, 1, -1).astype(queries.dtype)
+    r = keys.shape[1]
+    return (_f32(queries.reshape(b, r, h_q // r, d)) * scale) @ _f32(keys).swapaxes(-1, -2)
+
+
+def _weighted(w: mx.array, queries, values, g: int, mass: bool):
+    """``(out [B, H_q, 1, D], "group" mass or None)`` from the row weights ``w`` ``[B, R, G, T]``."""
+    out = (w @ _f32(values)).reshape(queries.shape[0], queries.shape[1], 1, -1).astype(queries.dtype)
     return out, (w.mean(axis=2) * g if mass else None)
